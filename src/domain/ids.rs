@@ -1,0 +1,125 @@
+//! Identifiers and tokens: newtypes so that a key can never be passed where a session id goes.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::limits::InvalidInput;
+
+/// A session id: a random UUID v4 drawn from the OS RNG.
+///
+/// It is a capability (whoever knows it may act for the session), so it is never sequential
+/// and never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct SessionId(pub Uuid);
+
+impl SessionId {
+    pub fn random() -> SessionId {
+        SessionId(Uuid::new_v4())
+    }
+
+    pub fn as_u128(self) -> u128 {
+        self.0.as_u128()
+    }
+
+    pub fn from_u128(v: u128) -> SessionId {
+        SessionId(Uuid::from_u128(v))
+    }
+
+    /// Parses the textual form; the field name goes into the error.
+    pub fn parse(field: &'static str, text: &str) -> Result<SessionId, InvalidInput> {
+        Uuid::try_parse(text)
+            .map(SessionId)
+            .map_err(|_| InvalidInput::new(field, "must be a session id (a UUID)"))
+    }
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.hyphenated().fmt(f)
+    }
+}
+
+/// A lock key: 1..=512 bytes of UTF-8 without control characters.
+///
+/// Shared (`Arc`) between the lock table and the holder's grant list, so holding a key in two
+/// indexes costs one allocation.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LockKey(Arc<str>);
+
+impl LockKey {
+    pub const MAX_BYTES: usize = 512;
+
+    pub fn parse(field: &'static str, text: &str) -> Result<LockKey, InvalidInput> {
+        if text.is_empty() {
+            return Err(InvalidInput::new(field, "must not be empty"));
+        }
+        if text.len() > Self::MAX_BYTES {
+            return Err(InvalidInput::new(
+                field,
+                format!("must be at most {} bytes of UTF-8", Self::MAX_BYTES),
+            ));
+        }
+        if text.chars().any(char::is_control) {
+            return Err(InvalidInput::new(field, "must not contain control characters"));
+        }
+        Ok(LockKey(Arc::from(text)))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A fencing token: a value of the global revision counter at the moment of a grant.
+///
+/// Strictly greater than every token issued before it by this store, across restarts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Token(pub u64);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_rules() {
+        let cases: &[(&str, bool)] = &[
+            ("a", true),
+            ("jobs/nightly-backup", true),
+            ("数据库/迁移", true),
+            ("with space", true),
+            ("", false),
+            ("tab\there", false),
+            ("new\nline", false),
+            ("nul\0", false),
+            ("del\u{7f}", false),
+        ];
+        for (text, ok) in cases {
+            assert_eq!(LockKey::parse("key", text).is_ok(), *ok, "{text:?}");
+        }
+        assert!(LockKey::parse("key", &"k".repeat(512)).is_ok());
+        let err = LockKey::parse("key", &"k".repeat(513)).unwrap_err();
+        assert_eq!(err.field, "key");
+        // 512 bytes, not characters: 171 three-byte characters are 513 bytes.
+        assert!(LockKey::parse("key", &"数".repeat(171)).is_err());
+    }
+
+    #[test]
+    fn session_id_parse() {
+        let id = SessionId::random();
+        assert_eq!(SessionId::parse("session_id", &id.to_string()).unwrap(), id);
+        assert_eq!(
+            SessionId::parse("session_id", "nope").unwrap_err().field,
+            "session_id"
+        );
+        assert_eq!(SessionId::from_u128(id.as_u128()), id);
+    }
+}
