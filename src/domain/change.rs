@@ -105,12 +105,26 @@ pub struct Event {
 /// transaction, followed by the counters (`revision`, `event_seq`) as they stand after it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
-    PutSession { id: SessionId, record: SessionRecord },
-    SetSessionTtl { id: SessionId, ttl_ms: u64 },
+    PutSession {
+        id: SessionId,
+        record: SessionRecord,
+    },
+    SetSessionTtl {
+        id: SessionId,
+        ttl_ms: u64,
+    },
     /// Deletes the session record; its locks are deleted by their own `DeleteLock` changes,
     /// emitted in the same batch (the cascade).
-    DeleteSession { id: SessionId },
-    PutLock { key: LockKey, record: LockRecord },
-    DeleteLock { key: LockKey, session_id: SessionId },
+    DeleteSession {
+        id: SessionId,
+    },
+    PutLock {
+        key: LockKey,
+        record: LockRecord,
+    },
+    DeleteLock {
+        key: LockKey,
+        session_id: SessionId,
+    },
     Event(Event),
 }

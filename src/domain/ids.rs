@@ -63,7 +63,10 @@ impl LockKey {
             ));
         }
         if text.chars().any(char::is_control) {
-            return Err(InvalidInput::new(field, "must not contain control characters"));
+            return Err(InvalidInput::new(
+                field,
+                "must not contain control characters",
+            ));
         }
         Ok(LockKey(Arc::from(text)))
     }

@@ -66,7 +66,10 @@ impl Limits {
             ));
         }
         if owner.chars().any(char::is_control) {
-            return Err(InvalidInput::new("owner", "must not contain control characters"));
+            return Err(InvalidInput::new(
+                "owner",
+                "must not contain control characters",
+            ));
         }
         Ok(())
     }
@@ -110,6 +113,9 @@ mod tests {
         assert!(l.owner("a\nb").is_err());
         assert!(l.metadata("{\"host\":\"h1\"}").is_ok());
         assert!(l.metadata("[1,2]").is_err());
-        assert!(l.metadata(&format!("{{\"k\":\"{}\"}}", "v".repeat(4100))).is_err());
+        assert!(
+            l.metadata(&format!("{{\"k\":\"{}\"}}", "v".repeat(4100)))
+                .is_err()
+        );
     }
 }

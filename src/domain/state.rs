@@ -7,9 +7,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use super::change::{
-    Change, EndReason, Event, EventKind, LockRecord, ReleasedLock, SessionRecord,
-};
+use super::change::{Change, EndReason, Event, EventKind, LockRecord, ReleasedLock, SessionRecord};
 use super::ids::{LockKey, SessionId, Token};
 use super::limits::{InvalidInput, Limits};
 use super::time::{Mono, UnixMs};
@@ -259,6 +257,7 @@ impl State {
     }
 
     /// Opens a session. The id comes from the caller (random) so this stays deterministic.
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         &mut self,
         id: SessionId,
@@ -274,7 +273,10 @@ impl State {
         if !metadata.is_empty() {
             self.limits.metadata(&metadata)?;
         }
-        debug_assert!(!self.sessions.contains_key(&id), "session ids are never reused");
+        debug_assert!(
+            !self.sessions.contains_key(&id),
+            "session ids are never reused"
+        );
         let revision = self.next_revision();
         let deadline = now.plus_ms(ttl_ms);
         self.sessions.insert(
@@ -447,10 +449,7 @@ impl State {
             }
             let holder = lock.session;
             let token = lock.token;
-            let holder_expired = self
-                .sessions
-                .get(&holder)
-                .is_none_or(|s| s.expired(now));
+            let holder_expired = self.sessions.get(&holder).is_none_or(|s| s.expired(now));
             if !holder_expired {
                 return Err(AcquireError::Held { holder, token });
             }
@@ -610,7 +609,10 @@ impl State {
         }
         for (key, lock) in &self.locks {
             let Some(s) = self.sessions.get(&lock.session) else {
-                return Err(format!("lock {key} is held by missing session {}", lock.session));
+                return Err(format!(
+                    "lock {key} is held by missing session {}",
+                    lock.session
+                ));
             };
             if !s.locks.contains(key) {
                 return Err(format!("lock {key} is not in its holder's grant list"));
@@ -636,12 +638,25 @@ mod tests {
     fn open(state: &mut State, ttl: u64, now: Mono) -> SessionId {
         let id = SessionId::random();
         state
-            .open(id, "test".into(), Some(ttl), String::new(), now, WALL, &mut Vec::new())
+            .open(
+                id,
+                "test".into(),
+                Some(ttl),
+                String::new(),
+                now,
+                WALL,
+                &mut Vec::new(),
+            )
             .unwrap();
         id
     }
 
-    fn acquire(state: &mut State, id: SessionId, k: &str, now: Mono) -> Result<Acquired, AcquireError> {
+    fn acquire(
+        state: &mut State,
+        id: SessionId,
+        k: &str,
+        now: Mono,
+    ) -> Result<Acquired, AcquireError> {
         state.acquire(id, &key(k), now, WALL, &mut Vec::new(), &mut Vec::new())
     }
 
@@ -651,13 +666,23 @@ mod tests {
         let mut out = Vec::new();
         let id = SessionId::random();
         let opened = state
-            .open(id, "alice".into(), None, "{}".into(), Mono(0), WALL, &mut out)
+            .open(
+                id,
+                "alice".into(),
+                None,
+                "{}".into(),
+                Mono(0),
+                WALL,
+                &mut out,
+            )
             .unwrap();
         assert_eq!(opened.ttl_ms, 15_000);
         assert_eq!(opened.deadline, Mono(15_000));
         assert_eq!(opened.revision, 1);
         assert!(matches!(out[0], Change::PutSession { .. }));
-        assert!(matches!(&out[1], Change::Event(e) if e.kind == EventKind::SessionOpened && e.seq == 1));
+        assert!(
+            matches!(&out[1], Change::Event(e) if e.kind == EventKind::SessionOpened && e.seq == 1)
+        );
     }
 
     #[test]
@@ -671,7 +696,15 @@ mod tests {
         ];
         for (owner, ttl, meta, field) in cases {
             let err = state
-                .open(SessionId::random(), owner.into(), ttl, meta.into(), Mono(0), WALL, &mut out)
+                .open(
+                    SessionId::random(),
+                    owner.into(),
+                    ttl,
+                    meta.into(),
+                    Mono(0),
+                    WALL,
+                    &mut out,
+                )
                 .unwrap_err();
             assert_eq!(err.field, field);
         }
@@ -684,7 +717,9 @@ mod tests {
     fn heartbeat_extends_and_gone_is_terminal() {
         let mut state = State::new(Limits::default());
         let id = open(&mut state, 1_000, Mono(0));
-        let beat = state.heartbeat(id, None, Mono(999), &mut Vec::new()).unwrap();
+        let beat = state
+            .heartbeat(id, None, Mono(999), &mut Vec::new())
+            .unwrap();
         assert_eq!(beat.deadline, Mono(1_999));
         // At the deadline the session is gone, reaped or not, and stays gone.
         assert_eq!(
@@ -708,12 +743,16 @@ mod tests {
         let mut state = State::new(Limits::default());
         let id = open(&mut state, 1_000, Mono(0));
         let mut out = Vec::new();
-        let beat = state.heartbeat(id, Some(5_000), Mono(500), &mut out).unwrap();
+        let beat = state
+            .heartbeat(id, Some(5_000), Mono(500), &mut out)
+            .unwrap();
         assert_eq!(beat.deadline, Mono(5_500));
         assert_eq!(out, vec![Change::SetSessionTtl { id, ttl_ms: 5_000 }]);
         // The same TTL again changes nothing durable.
         out.clear();
-        state.heartbeat(id, Some(5_000), Mono(600), &mut out).unwrap();
+        state
+            .heartbeat(id, Some(5_000), Mono(600), &mut out)
+            .unwrap();
         assert!(out.is_empty());
         assert!(matches!(
             state.heartbeat(id, Some(1), Mono(700), &mut out),
@@ -754,15 +793,28 @@ mod tests {
         let b = open(&mut state, 10_000, Mono(0));
         let got = acquire(&mut state, a, "k", Mono(1)).unwrap();
         let mut out = Vec::new();
-        assert_eq!(state.release(b, &key("k"), got.token, WALL, &mut out), Err(NotHolder));
+        assert_eq!(
+            state.release(b, &key("k"), got.token, WALL, &mut out),
+            Err(NotHolder)
+        );
         assert_eq!(
             state.release(a, &key("k"), Token(got.token.0 - 1), WALL, &mut out),
             Err(NotHolder)
         );
-        assert_eq!(state.release(a, &key("free"), got.token, WALL, &mut out), Err(NotHolder));
+        assert_eq!(
+            state.release(a, &key("free"), got.token, WALL, &mut out),
+            Err(NotHolder)
+        );
         assert!(out.is_empty());
-        assert!(state.release(a, &key("k"), got.token, WALL, &mut out).is_ok());
-        assert_eq!(state.release(a, &key("k"), got.token, WALL, &mut out.clone()), Err(NotHolder));
+        assert!(
+            state
+                .release(a, &key("k"), got.token, WALL, &mut out)
+                .is_ok()
+        );
+        assert_eq!(
+            state.release(a, &key("k"), got.token, WALL, &mut out.clone()),
+            Err(NotHolder)
+        );
     }
 
     #[test]
@@ -771,7 +823,10 @@ mod tests {
         let a = open(&mut state, 1_000, Mono(0));
         let b = open(&mut state, 10_000, Mono(0));
         let old = acquire(&mut state, a, "k", Mono(1)).unwrap();
-        assert!(matches!(acquire(&mut state, b, "k", Mono(999)), Err(AcquireError::Held { .. })));
+        assert!(matches!(
+            acquire(&mut state, b, "k", Mono(999)),
+            Err(AcquireError::Held { .. })
+        ));
         let mut out = Vec::new();
         let mut ended = Vec::new();
         let got = state
@@ -810,15 +865,28 @@ mod tests {
             acquire(&mut state, a, k, Mono(1)).unwrap();
         }
         let mut out = Vec::new();
-        let ended = state.end(a, EndReason::Closed, Mono(5), WALL, &mut out).unwrap();
+        let ended = state
+            .end(a, EndReason::Closed, Mono(5), WALL, &mut out)
+            .unwrap();
         assert_eq!(ended.released.len(), 3);
         assert_eq!(ended.reason, EndReason::Closed);
         assert_eq!(state.lock_count(), 0);
-        assert_eq!(out.iter().filter(|c| matches!(c, Change::DeleteLock { .. })).count(), 3);
-        assert!(state.end(a, EndReason::Closed, Mono(6), WALL, &mut out).is_none());
+        assert_eq!(
+            out.iter()
+                .filter(|c| matches!(c, Change::DeleteLock { .. }))
+                .count(),
+            3
+        );
+        assert!(
+            state
+                .end(a, EndReason::Closed, Mono(6), WALL, &mut out)
+                .is_none()
+        );
         // Closing after the deadline is recorded as the expiry it was.
         let b = open(&mut state, 1_000, Mono(0));
-        let ended = state.end(b, EndReason::Closed, Mono(1_000), WALL, &mut out).unwrap();
+        let ended = state
+            .end(b, EndReason::Closed, Mono(1_000), WALL, &mut out)
+            .unwrap();
         assert_eq!(ended.reason, EndReason::Expired);
         state.check_invariants().unwrap();
     }
@@ -826,7 +894,9 @@ mod tests {
     #[test]
     fn reap_takes_due_sessions_in_deadline_order_and_bounded() {
         let mut state = State::new(Limits::default());
-        let ids: Vec<_> = (0..5).map(|i| open(&mut state, 1_000 + i * 100, Mono(0))).collect();
+        let ids: Vec<_> = (0..5)
+            .map(|i| open(&mut state, 1_000 + i * 100, Mono(0)))
+            .collect();
         let live = open(&mut state, 60_000, Mono(0));
         assert_eq!(state.due(Mono(1_250), 100).len(), 3);
         let mut out = Vec::new();
@@ -849,7 +919,10 @@ mod tests {
         let a = open(&mut state, 10_000, Mono(0));
         acquire(&mut state, a, "1", Mono(0)).unwrap();
         acquire(&mut state, a, "2", Mono(0)).unwrap();
-        assert_eq!(acquire(&mut state, a, "3", Mono(0)), Err(AcquireError::TooManyLocks(2)));
+        assert_eq!(
+            acquire(&mut state, a, "3", Mono(0)),
+            Err(AcquireError::TooManyLocks(2))
+        );
         // Re-acquiring one it holds is still fine.
         assert!(acquire(&mut state, a, "1", Mono(0)).is_ok());
     }
@@ -881,7 +954,10 @@ mod tests {
             Mono(50_000),
         )
         .unwrap();
-        assert_eq!(state.session(id, Mono(51_999)).unwrap().deadline, Mono(52_000));
+        assert_eq!(
+            state.session(id, Mono(51_999)).unwrap().deadline,
+            Mono(52_000)
+        );
         assert_eq!(state.revision(), 9);
         state.check_invariants().unwrap();
 
@@ -906,6 +982,9 @@ mod tests {
             },
             Mono(0),
         );
-        assert!(matches!(above, Err(RestoreError::TokenAboveRevision { .. })));
+        assert!(matches!(
+            above,
+            Err(RestoreError::TokenAboveRevision { .. })
+        ));
     }
 }

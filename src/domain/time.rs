@@ -23,7 +23,9 @@ impl Mono {
 
 /// Unix time in milliseconds: shown to people and written in records, never used to decide
 /// whether a session is alive.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct UnixMs(pub u64);
 
 /// Converts a monotonic instant to the wall clock, given one reading of both clocks.

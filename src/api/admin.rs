@@ -1,0 +1,90 @@
+//! `/v1/admin`: operator actions, each audited.
+
+use axum::extract::State;
+use axum::{Json, Router, routing};
+use serde::{Deserialize, Serialize};
+
+use super::AppState;
+use super::error::ApiError;
+use super::extract::{Body, SessionPath};
+use super::sessions::{CloseResponse, end};
+use super::wire::HeldLock;
+use crate::domain::EndReason;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/admin/sessions/{id}/end", routing::post(end_session))
+        .route("/v1/admin/reap", routing::post(reap))
+}
+
+async fn end_session(
+    State(app): State<AppState>,
+    SessionPath(id): SessionPath,
+) -> Result<Json<CloseResponse>, ApiError> {
+    end(&app, id, EndReason::Admin).await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReapRequest {
+    #[serde(default)]
+    dry_run: bool,
+}
+
+#[derive(Serialize)]
+struct DueSession {
+    session_id: String,
+    expired_at: u64,
+    locks: Vec<HeldLock>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum ReapResponse {
+    DryRun {
+        dry_run: bool,
+        sessions: Vec<DueSession>,
+    },
+    Done {
+        dry_run: bool,
+        sessions_ended: usize,
+        locks_released: usize,
+        revision: u64,
+    },
+}
+
+/// How many due sessions a dry run lists at most.
+const DRY_RUN_LIMIT: usize = 10_000;
+
+async fn reap(
+    State(app): State<AppState>,
+    Body(req): Body<ReapRequest>,
+) -> Result<Json<ReapResponse>, ApiError> {
+    if req.dry_run {
+        let sessions = app
+            .engine
+            .reap_dry_run(DRY_RUN_LIMIT)
+            .into_iter()
+            .map(|d| DueSession {
+                session_id: d.id.to_string(),
+                expired_at: d.expired_at.0,
+                locks: d
+                    .locks
+                    .into_iter()
+                    .map(|(key, t)| HeldLock { key, token: t.0 })
+                    .collect(),
+            })
+            .collect();
+        return Ok(Json(ReapResponse::DryRun {
+            dry_run: true,
+            sessions,
+        }));
+    }
+    let outcome = app.engine.reap_now().await?;
+    Ok(Json(ReapResponse::Done {
+        dry_run: false,
+        sessions_ended: outcome.sessions,
+        locks_released: outcome.locks,
+        revision: app.engine.revision(),
+    }))
+}

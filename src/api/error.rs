@@ -1,0 +1,131 @@
+//! The one place that maps errors to HTTP statuses and `{"error", "message"}` bodies.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+use crate::domain::InvalidInput;
+use crate::engine::EngineError;
+
+#[derive(Debug)]
+pub enum ApiError {
+    /// Malformed JSON, unknown fields, missing or out-of-range values.
+    Invalid {
+        field: Option<String>,
+        message: String,
+    },
+    SessionGone,
+    LockFree,
+    NotFound,
+    MethodNotAllowed,
+    PayloadTooLarge(usize),
+    Engine(EngineError),
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: &'a str,
+    message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    field: Option<String>,
+}
+
+impl ApiError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError::Invalid {
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+
+    fn parts(self) -> (StatusCode, &'static str, String, Option<String>) {
+        use EngineError as E;
+        match self {
+            ApiError::Invalid { field, message } => {
+                (StatusCode::BAD_REQUEST, "invalid_request", message, field)
+            }
+            ApiError::SessionGone | ApiError::Engine(E::SessionGone) => (
+                StatusCode::NOT_FOUND,
+                "session_gone",
+                E::SessionGone.to_string(),
+                None,
+            ),
+            ApiError::LockFree => (
+                StatusCode::NOT_FOUND,
+                "lock_free",
+                "no session holds this lock".into(),
+                None,
+            ),
+            ApiError::NotFound => (
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no such endpoint; see the API reference".into(),
+                None,
+            ),
+            ApiError::MethodNotAllowed => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "this endpoint does not take that method".into(),
+                None,
+            ),
+            ApiError::PayloadTooLarge(max) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!("the request body is over the limit of {max} bytes"),
+                None,
+            ),
+            ApiError::Engine(e) => {
+                let (status, code) = match &e {
+                    E::SessionGone => (StatusCode::NOT_FOUND, "session_gone"),
+                    E::LockHeld => (StatusCode::CONFLICT, "lock_held"),
+                    E::NotHolder => (StatusCode::CONFLICT, "not_holder"),
+                    E::TooManyLocks(_) => (StatusCode::CONFLICT, "too_many_locks"),
+                    E::Invalid(i) => {
+                        return (
+                            StatusCode::BAD_REQUEST,
+                            "invalid_request",
+                            i.to_string(),
+                            Some(i.field.to_string()),
+                        );
+                    }
+                    E::StoreFailed => (StatusCode::SERVICE_UNAVAILABLE, "store_failed"),
+                    E::Overloaded(_) => (StatusCode::SERVICE_UNAVAILABLE, "overloaded"),
+                    E::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
+                    E::Store(_) => (StatusCode::SERVICE_UNAVAILABLE, "storage_error"),
+                };
+                (status, code, e.to_string(), None)
+            }
+        }
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> ApiError {
+        ApiError::Engine(e)
+    }
+}
+
+impl From<InvalidInput> for ApiError {
+    fn from(e: InvalidInput) -> ApiError {
+        ApiError::invalid(e.field, e.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, error, message, field) = self.parts();
+        if status.is_server_error() {
+            tracing::warn!(%status, error, %message, "request refused");
+        }
+        (
+            status,
+            Json(Body {
+                error,
+                message,
+                field,
+            }),
+        )
+            .into_response()
+    }
+}

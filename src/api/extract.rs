@@ -1,0 +1,140 @@
+//! Request decoding with errors that name the field: JSON bodies (unknown fields refused,
+//! an empty body read as `{}`), query strings, and path parameters.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+
+use super::error::ApiError;
+use crate::domain::{LockKey, SessionId};
+
+/// A JSON body of type `T`.
+pub struct Body<T>(pub T);
+
+fn decode_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    let field = (path != ".").then_some(path);
+    let message = match &field {
+        Some(f) => format!("{f}: {inner}"),
+        None => format!("invalid JSON body: {inner}"),
+    };
+    ApiError::Invalid { field, message }
+}
+
+pub fn json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        bytes
+    };
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(de).map_err(decode_error)?;
+    Ok(value)
+}
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map(|l| l.0)
+            .unwrap_or(usize::MAX);
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge(limit)
+            } else {
+                ApiError::Invalid {
+                    field: None,
+                    message: e.body_text(),
+                }
+            }
+        })?;
+        json(&bytes).map(Body)
+    }
+}
+
+/// The configured body limit, put into each request so the 413 message can say it.
+#[derive(Clone, Copy)]
+pub struct BodyLimit(pub usize);
+
+/// A query string of type `T`.
+pub struct Query<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let query = parts.uri.query().unwrap_or("");
+        let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+        serde_path_to_error::deserialize(de)
+            .map(Query)
+            .map_err(|e| {
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                ApiError::Invalid {
+                    message: format!("query parameter {path}: {inner}"),
+                    field: Some(path),
+                }
+            })
+    }
+}
+
+/// One percent-decoded path segment, by position among the route's parameters.
+async fn segments(parts: &mut Parts) -> Result<Vec<String>, ApiError> {
+    match Path::<Vec<String>>::from_request_parts(parts, &()).await {
+        Ok(Path(v)) => Ok(v),
+        Err(e) => Err(ApiError::Invalid {
+            field: None,
+            message: e.body_text(),
+        }),
+    }
+}
+
+/// The `{id}` of a session route.
+pub struct SessionPath(pub SessionId);
+
+impl<S: Send + Sync> FromRequestParts<S> for SessionPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let segs = segments(parts).await?;
+        let text = segs.first().map(String::as_str).unwrap_or("");
+        Ok(SessionPath(SessionId::parse("session_id", text)?))
+    }
+}
+
+/// The `{key}` of a lock route: percent-decoded, so any valid key works, `/` included.
+pub struct KeyPath(pub LockKey);
+
+impl<S: Send + Sync> FromRequestParts<S> for KeyPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let segs = segments(parts).await?;
+        let text = segs.first().map(String::as_str).unwrap_or("");
+        Ok(KeyPath(LockKey::parse("key", text)?))
+    }
+}
+
+/// A session id sent in a body: parsed with the field name in the error.
+pub fn session_id(text: &str) -> Result<SessionId, ApiError> {
+    Ok(SessionId::parse("session_id", text)?)
+}
+
+/// Page sizes: a missing limit takes `default`; above `max` is an error, not a silent cap.
+pub fn page_limit(limit: Option<usize>, default: usize, max: usize) -> Result<usize, ApiError> {
+    match limit {
+        None => Ok(default),
+        Some(0) => Err(ApiError::invalid("limit", "limit must be at least 1")),
+        Some(n) if n > max => Err(ApiError::invalid(
+            "limit",
+            format!("limit must be at most {max}"),
+        )),
+        Some(n) => Ok(n),
+    }
+}

@@ -1,0 +1,162 @@
+//! `/v1/sessions`: open, heartbeat, close, inspect and list sessions.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::{Json, Router, routing};
+use serde::{Deserialize, Serialize};
+
+use super::AppState;
+use super::error::ApiError;
+use super::extract::{Body, Query, SessionPath, page_limit, session_id};
+use super::wire::{Session, ms};
+use crate::domain::EndReason;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sessions", routing::post(open).get(list))
+        .route("/v1/sessions/{id}", routing::get(show).delete(close))
+        .route("/v1/sessions/{id}/heartbeat", routing::post(heartbeat))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OpenRequest {
+    owner: String,
+    ttl_ms: Option<u64>,
+    metadata: Option<serde_json::Value>,
+}
+
+#[derive(Serialize)]
+struct OpenResponse {
+    session_id: String,
+    ttl_ms: u64,
+    expires_at: u64,
+    revision: u64,
+}
+
+async fn open(
+    State(app): State<AppState>,
+    Body(req): Body<OpenRequest>,
+) -> Result<(StatusCode, Json<OpenResponse>), ApiError> {
+    let metadata = match req.metadata {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v @ serde_json::Value::Object(_)) => Some(v.to_string()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "metadata",
+                "metadata must be a JSON object",
+            ));
+        }
+    };
+    let opened = app.engine.open(req.owner, req.ttl_ms, metadata).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(OpenResponse {
+            session_id: opened.id.to_string(),
+            ttl_ms: opened.ttl_ms,
+            expires_at: ms(opened.expires_at),
+            revision: opened.revision,
+        }),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HeartbeatRequest {
+    ttl_ms: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct HeartbeatResponse {
+    expires_at: u64,
+    ttl_ms: u64,
+}
+
+async fn heartbeat(
+    State(app): State<AppState>,
+    SessionPath(id): SessionPath,
+    Body(req): Body<HeartbeatRequest>,
+) -> Result<Json<HeartbeatResponse>, ApiError> {
+    let beat = app.engine.heartbeat(id, req.ttl_ms).await?;
+    Ok(Json(HeartbeatResponse {
+        expires_at: ms(beat.expires_at),
+        ttl_ms: beat.ttl_ms,
+    }))
+}
+
+#[derive(Serialize)]
+pub struct CloseResponse {
+    pub released: usize,
+    pub revision: u64,
+}
+
+/// Ends a session for `reason`; shared with the admin route.
+pub async fn end(
+    app: &AppState,
+    id: crate::domain::SessionId,
+    reason: EndReason,
+) -> Result<Json<CloseResponse>, ApiError> {
+    let closed = app.engine.end(id, reason).await?;
+    Ok(Json(match closed {
+        Some(c) => CloseResponse {
+            released: c.released,
+            revision: c.revision,
+        },
+        None => CloseResponse {
+            released: 0,
+            revision: app.engine.revision(),
+        },
+    }))
+}
+
+async fn close(
+    State(app): State<AppState>,
+    SessionPath(id): SessionPath,
+) -> Result<Json<CloseResponse>, ApiError> {
+    end(&app, id, EndReason::Closed).await
+}
+
+async fn show(
+    State(app): State<AppState>,
+    SessionPath(id): SessionPath,
+) -> Result<Json<Session>, ApiError> {
+    match app.engine.session(id)? {
+        Some(info) => Ok(Json(info.into())),
+        None => Err(ApiError::SessionGone),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    owner: Option<String>,
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct ListResponse {
+    sessions: Vec<Session>,
+    next: Option<String>,
+}
+
+async fn list(
+    State(app): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<ListResponse>, ApiError> {
+    let limit = page_limit(q.limit, 100, 1_000)?;
+    let after = match q.after.as_deref() {
+        Some(a) => Some(session_id(a).map_err(|_| {
+            ApiError::invalid(
+                "after",
+                "after must be a session id (the previous page's next)",
+            )
+        })?),
+        None => None,
+    };
+    let (sessions, next) = app.engine.sessions(q.owner.as_deref(), after, limit)?;
+    Ok(Json(ListResponse {
+        sessions: sessions.into_iter().map(Session::from).collect(),
+        next: next.map(|n| n.to_string()),
+    }))
+}

@@ -1,0 +1,114 @@
+//! Wiring: configuration → store → engine → router → server. Used by `leasehold serve` and
+//! by the tests, which start the real server on port 0 with a manual clock.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::engine::{Engine, StartError};
+use crate::metrics::Metrics;
+use crate::server::{self, ServerLimits};
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// A running server.
+pub struct App {
+    pub addr: SocketAddr,
+    pub engine: Engine,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl App {
+    /// Opens the store in `config.data_dir` and starts serving.
+    pub async fn start(config: &Config, clock: Arc<dyn Clock>) -> Result<App, AppError> {
+        let store = Store::open(&config.data_dir, config.cache_size_bytes)?;
+        App::start_with_store(config, clock, store).await
+    }
+
+    /// Starts serving on an already opened store (tests inject failing storage this way).
+    pub async fn start_with_store(
+        config: &Config,
+        clock: Arc<dyn Clock>,
+        store: Store,
+    ) -> Result<App, AppError> {
+        let metrics = Arc::new(Metrics::new());
+        let engine = Engine::start(config.engine(), store, clock, metrics)?;
+        let listener = match TcpListener::bind(config.listen).await {
+            Ok(l) => l,
+            Err(source) => {
+                engine.shutdown();
+                return Err(AppError::Listen {
+                    addr: config.listen,
+                    source,
+                });
+            }
+        };
+        let addr = listener.local_addr().map_err(|source| AppError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+        let router = crate::api::router(engine.clone(), config.max_body_bytes);
+        let limits = ServerLimits {
+            header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+            idle_timeout: Duration::from_millis(config.idle_timeout_ms),
+            max_connections: config.max_connections,
+            shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::run(listener, router, limits, async {
+            let _ = stopped.await;
+        }));
+        Ok(App {
+            addr,
+            engine,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting, drains in-flight requests, then stops the engine (the writer
+    /// finishes what is queued) and closes the store.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        let engine = self.engine.clone();
+        let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
+    }
+
+    /// Waits until the server task ends (it ends only through `shutdown`).
+    pub async fn serve_until(mut self, signal: impl std::future::Future<Output = ()>) {
+        signal.await;
+        tracing::info!("shutting down: draining in-flight requests");
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.shutdown().await;
+    }
+}

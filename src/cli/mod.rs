@@ -1,0 +1,271 @@
+//! The command line: `serve`, the client commands that talk to a running server, and the
+//! offline integrity check.
+
+mod check;
+mod remote;
+mod serve;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use serde::Serialize;
+
+use crate::config::LogFormat;
+
+#[derive(Parser)]
+#[command(
+    name = "leasehold",
+    version,
+    about = "Sessions, fenced locks and a reaper in one binary"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the server.
+    Serve(Box<ServeArgs>),
+    /// Verify the data file offline; exits 1 with a report when an invariant does not hold.
+    Check {
+        /// The data directory (the server must not be running on it).
+        #[arg(long, env = "LEASEHOLD_DATA_DIR", default_value = "leasehold-data")]
+        data_dir: PathBuf,
+    },
+    /// Inspect or end sessions on a running server.
+    Sessions {
+        #[command(flatten)]
+        server: ServerArg,
+        #[command(subcommand)]
+        action: SessionsAction,
+    },
+    /// Inspect locks on a running server.
+    Locks {
+        #[command(flatten)]
+        server: ServerArg,
+        #[command(subcommand)]
+        action: LocksAction,
+    },
+    /// Print the audit log.
+    Events {
+        #[command(flatten)]
+        server: ServerArg,
+        /// Start after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// Most events per request.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+        /// Keep polling for new events.
+        #[arg(long)]
+        follow: bool,
+    },
+    /// Run a reaper pass now, or with --dry-run list what it would end.
+    Reap {
+        #[command(flatten)]
+        server: ServerArg,
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+#[derive(Args)]
+struct ServerArg {
+    /// The server's base URL.
+    #[arg(
+        long,
+        env = "LEASEHOLD_SERVER",
+        default_value = "http://127.0.0.1:7878",
+        global = true
+    )]
+    server: String,
+}
+
+#[derive(Subcommand)]
+enum SessionsAction {
+    /// List live sessions.
+    List {
+        #[arg(long)]
+        owner: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Show one session and what it holds.
+    Show { id: String },
+    /// End a session as an operator (audited); releases everything it holds.
+    End { id: String },
+}
+
+#[derive(Subcommand)]
+enum LocksAction {
+    /// List held locks.
+    List {
+        #[arg(long, default_value = "")]
+        prefix: String,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Show who holds a lock.
+    Show { key: String },
+}
+
+/// Every setting of `serve`, as a flag and a `LEASEHOLD_*` variable; unset ones fall back to
+/// the config file, then the defaults (see `Config`).
+#[derive(Args, Serialize, Default)]
+pub struct ServeArgs {
+    /// A TOML file with any of the settings below (names as in the file: `reaper_interval_ms`).
+    #[arg(long, env = "LEASEHOLD_CONFIG")]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1:7878]
+    #[arg(long, env = "LEASEHOLD_LISTEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<SocketAddr>,
+    /// Data directory [default: leasehold-data]
+    #[arg(long, env = "LEASEHOLD_DATA_DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_dir: Option<PathBuf>,
+    /// TTL of a session that asks for none, in ms [default: 15000]
+    #[arg(long, env = "LEASEHOLD_DEFAULT_TTL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    default_ttl_ms: Option<u64>,
+    /// Shortest TTL a session may ask for, in ms [default: 1000]
+    #[arg(long, env = "LEASEHOLD_MIN_TTL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_ttl_ms: Option<u64>,
+    /// Longest TTL a session may ask for, in ms [default: 86400000]
+    #[arg(long, env = "LEASEHOLD_MAX_TTL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_ttl_ms: Option<u64>,
+    /// Longest an acquire may wait for a held lock, in ms [default: 60000]
+    #[arg(long, env = "LEASEHOLD_MAX_WAIT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_wait_ms: Option<u64>,
+    /// Most locks one session may hold [default: 10000]
+    #[arg(long, env = "LEASEHOLD_MAX_LOCKS_PER_SESSION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_locks_per_session: Option<usize>,
+    /// Longest the reaper sleeps between looks, in ms [default: 1000]
+    #[arg(long, env = "LEASEHOLD_REAPER_INTERVAL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reaper_interval_ms: Option<u64>,
+    /// Most sessions one reaper pass ends [default: 10000]
+    #[arg(long, env = "LEASEHOLD_REAPER_BATCH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reaper_batch: Option<usize>,
+    /// How long audit events are kept, in ms [default: 604800000]
+    #[arg(long, env = "LEASEHOLD_EVENT_RETENTION_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    event_retention_ms: Option<u64>,
+    /// Most audit events trimmed per pass [default: 10000]
+    #[arg(long, env = "LEASEHOLD_EVENT_TRIM_BATCH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    event_trim_batch: Option<usize>,
+    /// Most requests in one group commit [default: 4096]
+    #[arg(long, env = "LEASEHOLD_MAX_BATCH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_batch: Option<usize>,
+    /// Most requests queued for the writer [default: 65536]
+    #[arg(long, env = "LEASEHOLD_QUEUE_CAPACITY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queue_capacity: Option<usize>,
+    /// Largest request body, in bytes [default: 65536]
+    #[arg(long, env = "LEASEHOLD_MAX_BODY_BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_body_bytes: Option<usize>,
+    /// Time allowed to send request headers, in ms [default: 5000]
+    #[arg(long, env = "LEASEHOLD_HEADER_READ_TIMEOUT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    header_read_timeout_ms: Option<u64>,
+    /// A connection silent this long is closed, in ms [default: 120000]
+    #[arg(long, env = "LEASEHOLD_IDLE_TIMEOUT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    idle_timeout_ms: Option<u64>,
+    /// Most open connections [default: 4096]
+    #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_connections: Option<usize>,
+    /// How long shutdown waits for in-flight requests, in ms [default: 10000]
+    #[arg(long, env = "LEASEHOLD_SHUTDOWN_GRACE_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shutdown_grace_ms: Option<u64>,
+    /// redb page cache, in bytes [default: 67108864]
+    #[arg(long, env = "LEASEHOLD_CACHE_SIZE_BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_size_bytes: Option<usize>,
+    /// Log format [default: text]
+    #[arg(long, env = "LEASEHOLD_LOG_FORMAT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_format: Option<LogFormat>,
+    /// Log filter, e.g. info or leasehold=debug [default: info]
+    #[arg(long, env = "LEASEHOLD_LOG_LEVEL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_level: Option<String>,
+}
+
+pub fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Serve(args) => serve::run(*args),
+        Command::Check { data_dir } => check::run(&data_dir),
+        Command::Sessions { server, action } => {
+            remote::block_on(remote::sessions(&server.server, action))
+        }
+        Command::Locks { server, action } => {
+            remote::block_on(remote::locks(&server.server, action))
+        }
+        Command::Events {
+            server,
+            after,
+            limit,
+            follow,
+        } => remote::block_on(remote::events(&server.server, after, limit, follow)),
+        Command::Reap { server, dry_run } => {
+            remote::block_on(remote::reap(&server.server, dry_run))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use clap::CommandFactory;
+
+    /// Every setting of the config file must also be a flag of `serve` (and so a variable).
+    #[test]
+    fn every_setting_has_a_flag() {
+        let defaults = toml::Table::try_from(Config::default()).unwrap();
+        let cmd = Cli::command();
+        let serve = cmd.find_subcommand("serve").unwrap();
+        for name in defaults.keys() {
+            assert!(
+                serve.get_arguments().any(|a| a.get_id() == name.as_str()),
+                "setting {name} has no --{} flag",
+                name.replace('_', "-")
+            );
+        }
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let args = Cli::try_parse_from([
+            "leasehold",
+            "serve",
+            "--reaper-interval-ms",
+            "250",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .unwrap();
+        let Command::Serve(args) = args.command else {
+            panic!("not serve")
+        };
+        let overrides = toml::Table::try_from(&args).unwrap();
+        let config = Config::load(None, overrides).unwrap();
+        assert_eq!(config.reaper_interval_ms, 250);
+        assert_eq!(config.listen.port(), 0);
+    }
+}

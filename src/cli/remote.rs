@@ -1,0 +1,123 @@
+//! The client commands: they talk to a running server over its HTTP API.
+
+use std::future::Future;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::{LocksAction, SessionsAction};
+use crate::client::{Client, ClientError, Reply, segment};
+
+pub fn block_on(fut: impl Future<Output = Result<(), ClientError>>) -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current-thread runtime starts");
+    match runtime.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("leasehold: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Prints a reply: pretty JSON on success, the error on stderr (and exit status 1).
+fn print(reply: Reply) -> Result<(), ClientError> {
+    if reply.status.is_success() {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&reply.body).unwrap_or(reply.text)
+        );
+        Ok(())
+    } else {
+        let code = reply.body["error"].as_str().unwrap_or("error");
+        let message = reply.body["message"].as_str().unwrap_or(&reply.text);
+        eprintln!("leasehold: {} {code}: {message}", reply.status.as_u16());
+        std::process::exit(1);
+    }
+}
+
+fn query(pairs: &[(&str, &str)]) -> String {
+    let mut s = form_urlencoded::Serializer::new(String::new());
+    for (k, v) in pairs {
+        if !v.is_empty() {
+            s.append_pair(k, v);
+        }
+    }
+    s.finish()
+}
+
+pub async fn sessions(server: &str, action: SessionsAction) -> Result<(), ClientError> {
+    let client = Client::new(server)?;
+    match action {
+        SessionsAction::List { owner, limit } => {
+            let limit = limit.to_string();
+            let q = query(&[("owner", owner.as_deref().unwrap_or("")), ("limit", &limit)]);
+            print(client.get(&format!("/v1/sessions?{q}")).await?)
+        }
+        SessionsAction::Show { id } => print(
+            client
+                .get(&format!("/v1/sessions/{}", segment(&id)))
+                .await?,
+        ),
+        SessionsAction::End { id } => print(
+            client
+                .post(
+                    &format!("/v1/admin/sessions/{}/end", segment(&id)),
+                    &json!({}),
+                )
+                .await?,
+        ),
+    }
+}
+
+pub async fn locks(server: &str, action: LocksAction) -> Result<(), ClientError> {
+    let client = Client::new(server)?;
+    match action {
+        LocksAction::List { prefix, limit } => {
+            let limit = limit.to_string();
+            let q = query(&[("prefix", &prefix), ("limit", &limit)]);
+            print(client.get(&format!("/v1/locks?{q}")).await?)
+        }
+        LocksAction::Show { key } => {
+            print(client.get(&format!("/v1/locks/{}", segment(&key))).await?)
+        }
+    }
+}
+
+pub async fn events(
+    server: &str,
+    after: u64,
+    limit: usize,
+    follow: bool,
+) -> Result<(), ClientError> {
+    let client = Client::new(server)?;
+    let mut after = after;
+    loop {
+        let reply = client
+            .get(&format!("/v1/events?after={after}&limit={limit}"))
+            .await?;
+        if !reply.status.is_success() {
+            return print(reply);
+        }
+        let events = reply.body["events"].as_array().cloned().unwrap_or_default();
+        for e in &events {
+            println!("{e}");
+        }
+        after = reply.body["next"].as_u64().unwrap_or(after);
+        if !follow {
+            return Ok(());
+        }
+        if events.is_empty() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+pub async fn reap(server: &str, dry_run: bool) -> Result<(), ClientError> {
+    let client = Client::new(server)?;
+    let body: Value = json!({ "dry_run": dry_run });
+    print(client.post("/v1/admin/reap", &body).await?)
+}

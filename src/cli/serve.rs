@@ -1,0 +1,84 @@
+//! `leasehold serve`: configuration → logging → store → engine → HTTP, until SIGTERM/SIGINT.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use tracing_subscriber::EnvFilter;
+
+use super::ServeArgs;
+use crate::app::App;
+use crate::clock::SystemClock;
+use crate::config::{Config, LogFormat};
+
+pub fn run(args: ServeArgs) -> ExitCode {
+    let overrides = match toml::Table::try_from(&args) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("leasehold: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let config = match Config::load(args.config.as_deref(), overrides) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("leasehold: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    init_logging(&config);
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("leasehold: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let started = std::time::Instant::now();
+        let app = match App::start(&config, Arc::new(SystemClock::new())).await {
+            Ok(app) => app,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start");
+                eprintln!("leasehold: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        tracing::info!(
+            listen = %app.addr,
+            data_dir = %config.data_dir.display(),
+            startup_ms = started.elapsed().as_millis() as u64,
+            "leasehold is serving"
+        );
+        app.serve_until(shutdown_signal()).await;
+        tracing::info!("stopped");
+        ExitCode::SUCCESS
+    })
+}
+
+fn init_logging(config: &Config) {
+    let filter = EnvFilter::try_from_env("LEASEHOLD_LOG")
+        .unwrap_or_else(|_| EnvFilter::new(&config.log_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log_format {
+        LogFormat::Json => builder.json().init(),
+        // No colours: under systemd the journal would store the escape codes.
+        LogFormat::Text => builder.with_ansi(false).init(),
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+}

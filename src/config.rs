@@ -1,0 +1,355 @@
+//! Configuration: defaults, a TOML file, `LEASEHOLD_*` environment variables and flags, in
+//! rising order of precedence, validated once at start-up with messages that name the
+//! setting and its unit.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::domain::Limits;
+use crate::engine::EngineConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Every setting of `leasehold serve`. Durations are milliseconds (`_ms`), sizes bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address the HTTP API listens on.
+    pub listen: SocketAddr,
+    /// Directory holding the data file.
+    pub data_dir: PathBuf,
+    pub default_ttl_ms: u64,
+    pub min_ttl_ms: u64,
+    pub max_ttl_ms: u64,
+    /// Longest an acquire may wait for a held lock.
+    pub max_wait_ms: u64,
+    pub max_locks_per_session: usize,
+    /// Longest the reaper sleeps between looks.
+    pub reaper_interval_ms: u64,
+    /// Most sessions one reaper pass ends in one transaction.
+    pub reaper_batch: usize,
+    /// How long audit events are kept.
+    pub event_retention_ms: u64,
+    /// Most audit events one pass trims.
+    pub event_trim_batch: usize,
+    /// Most requests applied in one group commit.
+    pub max_batch: usize,
+    /// Most requests queued for the writer before new ones get 503.
+    pub queue_capacity: usize,
+    pub max_body_bytes: usize,
+    pub header_read_timeout_ms: u64,
+    /// A connection with no traffic for this long is closed.
+    pub idle_timeout_ms: u64,
+    pub max_connections: usize,
+    /// How long a shutdown waits for in-flight requests.
+    pub shutdown_grace_ms: u64,
+    /// redb's page cache.
+    pub cache_size_bytes: usize,
+    pub log_format: LogFormat,
+    /// A tracing filter directive, e.g. `info` or `leasehold=debug`.
+    pub log_level: String,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        let engine = EngineConfig::default();
+        let limits = Limits::default();
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7878)),
+            data_dir: PathBuf::from("leasehold-data"),
+            default_ttl_ms: limits.default_ttl_ms,
+            min_ttl_ms: limits.min_ttl_ms,
+            max_ttl_ms: limits.max_ttl_ms,
+            max_wait_ms: engine.max_wait_ms,
+            max_locks_per_session: limits.max_locks_per_session,
+            reaper_interval_ms: engine.reaper_interval_ms,
+            reaper_batch: engine.reaper_batch,
+            event_retention_ms: engine.event_retention_ms,
+            event_trim_batch: engine.event_trim_batch,
+            max_batch: engine.max_batch,
+            queue_capacity: engine.queue_capacity,
+            max_body_bytes: 64 * 1024,
+            header_read_timeout_ms: 5_000,
+            idle_timeout_ms: 120_000,
+            max_connections: 4_096,
+            shutdown_grace_ms: 10_000,
+            cache_size_bytes: 64 * 1024 * 1024,
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("setting {0}")]
+    Invalid(String),
+}
+
+fn range<T: PartialOrd + std::fmt::Display>(
+    name: &str,
+    value: T,
+    min: T,
+    max: T,
+    unit: &str,
+) -> Result<(), ConfigError> {
+    if value < min || value > max {
+        return Err(ConfigError::Invalid(format!(
+            "{name} = {value} is out of range: it must be between {min} and {max} {unit}"
+        )));
+    }
+    Ok(())
+}
+
+impl Config {
+    /// Builds the configuration: defaults, then `file` (if any), then `overrides` (the
+    /// settings given as flags or environment variables), then validates it.
+    pub fn load(file: Option<&Path>, overrides: toml::Table) -> Result<Config, ConfigError> {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| ConfigError::Parse {
+                        path: path.to_path_buf(),
+                        message: e.to_string(),
+                    })?
+            }
+            None => toml::Table::new(),
+        };
+        table.extend(overrides);
+        let config: Config = table
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                path: file
+                    .map(Path::to_path_buf)
+                    .unwrap_or_else(|| "<flags>".into()),
+                message: e.message().to_string(),
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every rule once, naming the setting and its unit.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        const DAY_MS: u64 = 86_400_000;
+        range("min_ttl_ms", self.min_ttl_ms, 100, DAY_MS, "milliseconds")?;
+        range(
+            "max_ttl_ms",
+            self.max_ttl_ms,
+            self.min_ttl_ms,
+            30 * DAY_MS,
+            "milliseconds (and at least min_ttl_ms)",
+        )?;
+        range(
+            "default_ttl_ms",
+            self.default_ttl_ms,
+            self.min_ttl_ms,
+            self.max_ttl_ms,
+            "milliseconds (between min_ttl_ms and max_ttl_ms)",
+        )?;
+        range(
+            "max_wait_ms",
+            self.max_wait_ms,
+            0,
+            3_600_000,
+            "milliseconds",
+        )?;
+        range(
+            "max_locks_per_session",
+            self.max_locks_per_session,
+            1,
+            1_000_000,
+            "locks",
+        )?;
+        range(
+            "reaper_interval_ms",
+            self.reaper_interval_ms,
+            10,
+            60_000,
+            "milliseconds",
+        )?;
+        range("reaper_batch", self.reaper_batch, 1, 1_000_000, "sessions")?;
+        range(
+            "event_retention_ms",
+            self.event_retention_ms,
+            1_000,
+            3_650 * DAY_MS,
+            "milliseconds",
+        )?;
+        range(
+            "event_trim_batch",
+            self.event_trim_batch,
+            1,
+            1_000_000,
+            "events",
+        )?;
+        range("max_batch", self.max_batch, 1, 65_536, "requests")?;
+        range(
+            "queue_capacity",
+            self.queue_capacity,
+            1,
+            10_000_000,
+            "requests",
+        )?;
+        range(
+            "max_body_bytes",
+            self.max_body_bytes,
+            1_024,
+            64 * 1024 * 1024,
+            "bytes",
+        )?;
+        range(
+            "header_read_timeout_ms",
+            self.header_read_timeout_ms,
+            10,
+            600_000,
+            "milliseconds",
+        )?;
+        range(
+            "idle_timeout_ms",
+            self.idle_timeout_ms,
+            100,
+            86_400_000,
+            "milliseconds",
+        )?;
+        if self.idle_timeout_ms <= self.max_wait_ms {
+            return Err(ConfigError::Invalid(format!(
+                "idle_timeout_ms = {} must be greater than max_wait_ms = {} (milliseconds): a request waiting for a lock moves no bytes",
+                self.idle_timeout_ms, self.max_wait_ms
+            )));
+        }
+        range(
+            "max_connections",
+            self.max_connections,
+            1,
+            1_000_000,
+            "connections",
+        )?;
+        range(
+            "shutdown_grace_ms",
+            self.shutdown_grace_ms,
+            0,
+            600_000,
+            "milliseconds",
+        )?;
+        range(
+            "cache_size_bytes",
+            self.cache_size_bytes,
+            1024 * 1024,
+            1 << 40,
+            "bytes",
+        )?;
+        if tracing_subscriber::EnvFilter::try_new(&self.log_level).is_err() {
+            return Err(ConfigError::Invalid(format!(
+                "log_level = {:?} is not a valid filter (try \"info\" or \"leasehold=debug\")",
+                self.log_level
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn engine(&self) -> EngineConfig {
+        EngineConfig {
+            limits: Limits {
+                min_ttl_ms: self.min_ttl_ms,
+                max_ttl_ms: self.max_ttl_ms,
+                default_ttl_ms: self.default_ttl_ms,
+                max_locks_per_session: self.max_locks_per_session,
+            },
+            max_wait_ms: self.max_wait_ms,
+            reaper_interval_ms: self.reaper_interval_ms,
+            reaper_batch: self.reaper_batch,
+            event_retention_ms: self.event_retention_ms,
+            event_trim_batch: self.event_trim_batch,
+            max_batch: self.max_batch,
+            queue_capacity: self.queue_capacity,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn overrides(pairs: &[(&str, toml::Value)]) -> toml::Table {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        Config::default().validate().unwrap();
+        assert_eq!(
+            Config::load(None, toml::Table::new()).unwrap(),
+            Config::default()
+        );
+    }
+
+    #[test]
+    fn file_then_overrides() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("leasehold.toml");
+        std::fs::write(
+            &path,
+            "reaper_interval_ms = 250\nlisten = \"0.0.0.0:9000\"\n",
+        )
+        .unwrap();
+        let c = Config::load(
+            Some(&path),
+            overrides(&[("listen", toml::Value::String("127.0.0.1:9001".into()))]),
+        )
+        .unwrap();
+        assert_eq!(c.reaper_interval_ms, 250);
+        assert_eq!(c.listen.port(), 9001);
+    }
+
+    #[test]
+    fn errors_name_the_setting_and_unit() {
+        let cases: &[(&str, toml::Value, &str)] = &[
+            (
+                "reaper_interval_ms",
+                toml::Value::Integer(1),
+                "reaper_interval_ms = 1 is out of range: it must be between 10 and 60000 milliseconds",
+            ),
+            (
+                "default_ttl_ms",
+                toml::Value::Integer(500),
+                "default_ttl_ms = 500",
+            ),
+            ("max_body_bytes", toml::Value::Integer(10), "bytes"),
+            ("log_level", toml::Value::String("[[".into()), "log_level"),
+        ];
+        for (name, value, expect) in cases {
+            let err = Config::load(None, overrides(&[(name, value.clone())])).unwrap_err();
+            assert!(err.to_string().contains(expect), "{name}: {err}");
+        }
+    }
+
+    #[test]
+    fn unknown_settings_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("leasehold.toml");
+        std::fs::write(&path, "reaper_intervall_ms = 250\n").unwrap();
+        let err = Config::load(Some(&path), toml::Table::new()).unwrap_err();
+        assert!(err.to_string().contains("reaper_intervall_ms"), "{err}");
+    }
+}

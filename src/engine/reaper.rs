@@ -1,0 +1,108 @@
+//! The reaper: sleeps until the earliest deadline (at most one reaper interval), then asks
+//! the writer for a bounded pass, and again at once while passes come back full, so a mass
+//! expiry is worked off in batches with other requests served between them.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Sender, bounded};
+use tokio::sync::oneshot;
+
+use super::Shared;
+use super::writer::Command;
+use crate::domain::Mono;
+
+pub struct ReaperHandle {
+    stop: Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+impl ReaperHandle {
+    pub fn stop(self) {
+        drop(self.stop);
+        let _ = self.thread.join();
+    }
+}
+
+/// How long to sleep before the next look: until the earliest deadline, but never longer
+/// than `interval_ms`, so a session opened meanwhile with an earlier deadline is still
+/// ended within one interval of it.
+pub fn next_wait_ms(earliest: Option<Mono>, now: Mono, interval_ms: u64) -> u64 {
+    match earliest {
+        Some(d) => d.since(now).min(interval_ms),
+        None => interval_ms,
+    }
+}
+
+pub fn spawn(shared: Arc<Shared>, writer: Sender<Command>) -> std::io::Result<ReaperHandle> {
+    let (stop, stopped) = bounded::<()>(0);
+    let thread = std::thread::Builder::new()
+        .name("leasehold-reaper".into())
+        .spawn(move || {
+            let interval = shared.config.reaper_interval_ms;
+            let mut last_pass = Instant::now();
+            loop {
+                let now = shared.clock.now();
+                let earliest = shared.state.lock().earliest_deadline();
+                let wait = next_wait_ms(earliest, now, interval);
+                // A pass is due when a deadline has come, and at least once an interval
+                // anyway so that audit events are trimmed.
+                let due = wait == 0 || last_pass.elapsed() >= Duration::from_millis(interval);
+                if !due {
+                    match stopped.recv_timeout(Duration::from_millis(wait.max(1))) {
+                        Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
+                        _ => return,
+                    }
+                }
+                last_pass = Instant::now();
+                let limit = shared.config.reaper_batch;
+                let (reply, rx) = oneshot::channel();
+                if writer.send(Command::Reap { limit, reply }).is_err() {
+                    return;
+                }
+                match rx.blocking_recv() {
+                    Ok(Ok(outcome)) => {
+                        let m = &shared.metrics;
+                        m.reaper_pass_seconds
+                            .observe(last_pass.elapsed().as_secs_f64());
+                        if outcome.sessions > 0 {
+                            m.reaper_batch_size.observe(outcome.sessions as f64);
+                            tracing::info!(
+                                sessions = outcome.sessions,
+                                locks = outcome.locks,
+                                "reaped expired sessions"
+                            );
+                        }
+                        if outcome.sessions == limit {
+                            continue; // more are due: go again at once
+                        }
+                    }
+                    // The store failed or the writer stopped: nothing more to do.
+                    Ok(Err(_)) | Err(_) => {
+                        if stopped.recv().is_err() {
+                            return;
+                        }
+                    }
+                }
+                // A full wait only happens above; here we just re-evaluate, unless stopping.
+                if let Err(crossbeam_channel::TryRecvError::Disconnected) = stopped.try_recv() {
+                    return;
+                }
+            }
+        })?;
+    Ok(ReaperHandle { stop, thread })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sleeps_until_earliest_deadline_capped_by_interval() {
+        assert_eq!(next_wait_ms(None, Mono(0), 1_000), 1_000);
+        assert_eq!(next_wait_ms(Some(Mono(300)), Mono(100), 1_000), 200);
+        assert_eq!(next_wait_ms(Some(Mono(5_000)), Mono(100), 1_000), 1_000);
+        assert_eq!(next_wait_ms(Some(Mono(50)), Mono(100), 1_000), 0);
+    }
+}

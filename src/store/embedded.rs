@@ -1,0 +1,647 @@
+//! The embedded store: one redb file in the data directory.
+//!
+//! Tables:
+//! - `meta`: the durable counters (`revision`, `event_seq`) and the schema version;
+//! - `sessions`: session id → `SessionRecord`, with `sessions_by_owner` as its owner index;
+//! - `locks`: key → `LockRecord`, with `session_locks` (session id, key) as the session → grants
+//!   index. redb has no foreign keys, so the cascade is emulated: the domain emits one
+//!   `DeleteLock` per grant of an ending session and they commit in the same transaction.
+//! - `events`: sequence number → `Event`, the audit log.
+//!
+//! Every write is one transaction with immediate durability (fsync) that also writes the
+//! counters, so a token is never acknowledged before the counter that issued it is durable.
+//! After any failed write the store refuses every later one (fail-stop): a retry could
+//! acknowledge something a torn commit lost.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use redb::{
+    Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata,
+    TableDefinition, WriteTransaction,
+};
+
+use super::codec::{self, CodecError};
+use super::fault::{FaultSwitch, FaultyBackend};
+use crate::domain::state::Restore;
+use crate::domain::{Change, Event, LockKey, LockRecord, SessionId, SessionRecord, UnixMs};
+
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const SESSIONS: TableDefinition<u128, &[u8]> = TableDefinition::new("sessions");
+const SESSIONS_BY_OWNER: TableDefinition<(&str, u128), ()> =
+    TableDefinition::new("sessions_by_owner");
+const LOCKS: TableDefinition<&str, &[u8]> = TableDefinition::new("locks");
+const SESSION_LOCKS: TableDefinition<(u128, &str), ()> = TableDefinition::new("session_locks");
+const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+
+const META_SCHEMA: &str = "schema";
+const META_REVISION: &str = "revision";
+const META_EVENT_SEQ: &str = "event_seq";
+const SCHEMA_VERSION: u64 = 1;
+
+/// The file inside the data directory.
+pub const DATA_FILE: &str = "leasehold.redb";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("storage: {0}")]
+    Redb(#[from] redb::Error),
+    #[error("cannot use data directory {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("corrupt {table} record: {source}")]
+    Corrupt {
+        table: &'static str,
+        source: CodecError,
+    },
+    #[error("stored lock key {key:?} breaks a rule: {rule}")]
+    BadKey { key: String, rule: String },
+    #[error("data file has schema {found}, this build reads schema {SCHEMA_VERSION}")]
+    Schema { found: u64 },
+    #[error("revision would go back from {stored} to {new}")]
+    RevisionWentBack { stored: u64, new: u64 },
+    #[error("an earlier write failed; the store refuses writes until the server restarts")]
+    Failed,
+}
+
+impl StoreError {
+    fn redb(e: impl Into<redb::Error>) -> StoreError {
+        StoreError::Redb(e.into())
+    }
+}
+
+fn corrupt(table: &'static str) -> impl FnOnce(CodecError) -> StoreError {
+    move |source| StoreError::Corrupt { table, source }
+}
+
+/// One transaction's worth of writes.
+pub struct Batch<'a> {
+    pub changes: &'a [Change],
+    /// The counters as they stand after `changes`.
+    pub revision: u64,
+    pub event_seq: u64,
+    /// Trim audit events older than this, at most `limit` of them.
+    pub trim_events: Option<(UnixMs, usize)>,
+}
+
+/// What a commit did besides the changes themselves.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Committed {
+    pub events_trimmed: usize,
+}
+
+#[derive(Debug, Default)]
+pub struct CheckReport {
+    pub sessions: u64,
+    pub locks: u64,
+    pub events: u64,
+    pub revision: u64,
+    pub problems: Vec<String>,
+}
+
+pub struct Store {
+    db: Database,
+    path: PathBuf,
+    failed: AtomicBool,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("path", &self.path).finish()
+    }
+}
+
+impl Store {
+    /// Opens (or creates) the store in `dir`, with a page cache of `cache_bytes`.
+    pub fn open(dir: &Path, cache_bytes: usize) -> Result<Store, StoreError> {
+        let path = prepare_dir(dir)?;
+        let db = redb::Builder::new()
+            .set_cache_size(cache_bytes)
+            .create(&path)
+            .map_err(StoreError::redb)?;
+        Store::init(db, path)
+    }
+
+    /// Opens the store on a backend whose writes can be made to fail, for fail-stop tests.
+    pub fn open_with_faults(
+        dir: &Path,
+        cache_bytes: usize,
+    ) -> Result<(Store, FaultSwitch), StoreError> {
+        let path = prepare_dir(dir)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|source| StoreError::DataDir {
+                path: path.clone(),
+                source,
+            })?;
+        let switch = FaultSwitch::default();
+        let backend = FaultyBackend::new(file, switch.clone()).map_err(StoreError::redb)?;
+        let db = redb::Builder::new()
+            .set_cache_size(cache_bytes)
+            .create_with_backend(backend)
+            .map_err(StoreError::redb)?;
+        Ok((Store::init(db, path)?, switch))
+    }
+
+    fn init(db: Database, path: PathBuf) -> Result<Store, StoreError> {
+        let txn = db.begin_write().map_err(StoreError::redb)?;
+        {
+            let mut meta = txn.open_table(META).map_err(StoreError::redb)?;
+            let schema = meta
+                .get(META_SCHEMA)
+                .map_err(StoreError::redb)?
+                .map(|v| v.value());
+            match schema {
+                None => {
+                    meta.insert(META_SCHEMA, SCHEMA_VERSION)
+                        .map_err(StoreError::redb)?;
+                }
+                Some(SCHEMA_VERSION) => {}
+                Some(found) => return Err(StoreError::Schema { found }),
+            }
+            txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+            txn.open_table(SESSIONS_BY_OWNER)
+                .map_err(StoreError::redb)?;
+            txn.open_table(LOCKS).map_err(StoreError::redb)?;
+            txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+            txn.open_table(EVENTS).map_err(StoreError::redb)?;
+        }
+        txn.commit().map_err(StoreError::redb)?;
+        Ok(Store {
+            db,
+            path,
+            failed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// True once a write has failed: readiness is false and every write is refused.
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// Everything the in-memory state is rebuilt from at start-up.
+    pub fn load(&self) -> Result<Restore, StoreError> {
+        let txn = self.read()?;
+        let meta = txn.open_table(META).map_err(StoreError::redb)?;
+        let counter = |name| -> Result<u64, StoreError> {
+            Ok(meta
+                .get(name)
+                .map_err(StoreError::redb)?
+                .map(|v| v.value())
+                .unwrap_or(0))
+        };
+        let revision = counter(META_REVISION)?;
+        let event_seq = counter(META_EVENT_SEQ)?;
+        let sessions_table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let mut sessions = Vec::with_capacity(sessions_table.len().unwrap_or(0) as usize);
+        for row in sessions_table.iter().map_err(StoreError::redb)? {
+            let (id, bytes) = row.map_err(StoreError::redb)?;
+            let record: SessionRecord = codec::decode(bytes.value()).map_err(corrupt("session"))?;
+            sessions.push((SessionId::from_u128(id.value()), record.ttl_ms));
+        }
+        let locks_table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        let mut locks = Vec::with_capacity(locks_table.len().unwrap_or(0) as usize);
+        for row in locks_table.iter().map_err(StoreError::redb)? {
+            let (key, bytes) = row.map_err(StoreError::redb)?;
+            let record: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            let key = LockKey::parse("key", key.value()).map_err(|e| StoreError::BadKey {
+                key: key.value().to_string(),
+                rule: e.to_string(),
+            })?;
+            locks.push((key, record));
+        }
+        Ok(Restore {
+            revision,
+            event_seq,
+            sessions,
+            locks,
+        })
+    }
+
+    /// Writes one batch in one transaction and fsyncs it. Nothing may be acknowledged before
+    /// this returns `Ok`.
+    pub fn commit(&self, batch: &Batch<'_>) -> Result<Committed, StoreError> {
+        if self.failed() {
+            return Err(StoreError::Failed);
+        }
+        let result = self.write_batch(batch);
+        if result.is_err() {
+            self.failed.store(true, Ordering::SeqCst);
+        }
+        result
+    }
+
+    fn write_batch(&self, batch: &Batch<'_>) -> Result<Committed, StoreError> {
+        let txn = self.db.begin_write().map_err(StoreError::redb)?;
+        let committed = apply(&txn, batch)?;
+        txn.commit().map_err(StoreError::redb)?;
+        Ok(committed)
+    }
+
+    fn read(&self) -> Result<ReadTransaction, StoreError> {
+        self.db.begin_read().map_err(StoreError::redb)
+    }
+
+    pub fn session(&self, id: SessionId) -> Result<Option<SessionRecord>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        match table.get(id.as_u128()).map_err(StoreError::redb)? {
+            Some(bytes) => Ok(Some(
+                codec::decode(bytes.value()).map_err(corrupt("session"))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// Sessions in id order after `after`, optionally only those of `owner`.
+    pub fn sessions(
+        &self,
+        owner: Option<&str>,
+        after: Option<SessionId>,
+        limit: usize,
+    ) -> Result<Vec<(SessionId, SessionRecord)>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let start = match after {
+            // u128::MAX is a valid cursor only in theory; saturating keeps the range empty.
+            Some(id) => id.as_u128().checked_add(1),
+            None => Some(0),
+        };
+        let Some(start) = start else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        match owner {
+            None => {
+                for row in table.range(start..).map_err(StoreError::redb)? {
+                    if out.len() == limit {
+                        break;
+                    }
+                    let (id, bytes) = row.map_err(StoreError::redb)?;
+                    let record = codec::decode(bytes.value()).map_err(corrupt("session"))?;
+                    out.push((SessionId::from_u128(id.value()), record));
+                }
+            }
+            Some(owner) => {
+                let index = txn
+                    .open_table(SESSIONS_BY_OWNER)
+                    .map_err(StoreError::redb)?;
+                for row in index
+                    .range((owner, start)..=(owner, u128::MAX))
+                    .map_err(StoreError::redb)?
+                {
+                    if out.len() == limit {
+                        break;
+                    }
+                    let (entry, _) = row.map_err(StoreError::redb)?;
+                    let id = entry.value().1;
+                    if let Some(bytes) = table.get(id).map_err(StoreError::redb)? {
+                        let record = codec::decode(bytes.value()).map_err(corrupt("session"))?;
+                        out.push((SessionId::from_u128(id), record));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The locks a session holds, as committed, in key order.
+    pub fn session_locks(&self, id: SessionId) -> Result<Vec<(String, LockRecord)>, StoreError> {
+        let txn = self.read()?;
+        let index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+        let locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        let id = id.as_u128();
+        let mut out = Vec::new();
+        for row in index.range((id, "")..).map_err(StoreError::redb)? {
+            let (entry, _) = row.map_err(StoreError::redb)?;
+            let (sid, key) = entry.value();
+            if sid != id {
+                break;
+            }
+            if let Some(bytes) = locks.get(key).map_err(StoreError::redb)? {
+                let record = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+                out.push((key.to_string(), record));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn lock(&self, key: &str) -> Result<Option<LockRecord>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        match table.get(key).map_err(StoreError::redb)? {
+            Some(bytes) => Ok(Some(codec::decode(bytes.value()).map_err(corrupt("lock"))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Held locks in key order whose key starts with `prefix`, after the key `after`.
+    pub fn locks(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, LockRecord)>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        let mut out = Vec::new();
+        let range = match after {
+            Some(after) if after >= prefix => {
+                table.range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
+            }
+            _ => table.range(prefix..),
+        }
+        .map_err(StoreError::redb)?;
+        for row in range {
+            if out.len() == limit {
+                break;
+            }
+            let (key, bytes) = row.map_err(StoreError::redb)?;
+            let key = key.value();
+            if !key.starts_with(prefix) {
+                break;
+            }
+            out.push((
+                key.to_string(),
+                codec::decode(bytes.value()).map_err(corrupt("lock"))?,
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Audit events with a sequence number above `after`, oldest first.
+    pub fn events(&self, after: u64, limit: usize) -> Result<Vec<Event>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+        let mut out = Vec::new();
+        let Some(start) = after.checked_add(1) else {
+            return Ok(out);
+        };
+        for row in table.range(start..).map_err(StoreError::redb)? {
+            if out.len() == limit {
+                break;
+            }
+            let (_, bytes) = row.map_err(StoreError::redb)?;
+            out.push(codec::decode(bytes.value()).map_err(corrupt("event"))?);
+        }
+        Ok(out)
+    }
+
+    /// When the oldest audit event still kept was written.
+    pub fn oldest_event_at(&self) -> Result<Option<UnixMs>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+        match table.first().map_err(StoreError::redb)? {
+            Some((_, bytes)) => {
+                let event: Event = codec::decode(bytes.value()).map_err(corrupt("event"))?;
+                Ok(Some(event.at))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Verifies the store's own invariants: every lock's session exists, the session → grants
+    /// index matches the locks, the owner index matches the sessions, every record decodes,
+    /// and the counters are at or above everything they issued.
+    pub fn check(&self) -> Result<CheckReport, StoreError> {
+        let txn = self.read()?;
+        let mut report = CheckReport::default();
+        let meta = txn.open_table(META).map_err(StoreError::redb)?;
+        let get = |name| -> Result<u64, StoreError> {
+            Ok(meta
+                .get(name)
+                .map_err(StoreError::redb)?
+                .map(|v| v.value())
+                .unwrap_or(0))
+        };
+        report.revision = get(META_REVISION)?;
+        let event_seq = get(META_EVENT_SEQ)?;
+        let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let by_owner = txn
+            .open_table(SESSIONS_BY_OWNER)
+            .map_err(StoreError::redb)?;
+        let locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        let index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+        let events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+        let problems = &mut report.problems;
+
+        for row in sessions.iter().map_err(StoreError::redb)? {
+            let (id, bytes) = row.map_err(StoreError::redb)?;
+            report.sessions += 1;
+            let id = id.value();
+            match codec::decode::<SessionRecord>(bytes.value()) {
+                Ok(rec) => {
+                    if by_owner
+                        .get((rec.owner.as_str(), id))
+                        .map_err(StoreError::redb)?
+                        .is_none()
+                    {
+                        problems.push(format!(
+                            "session {} is missing from the owner index",
+                            SessionId::from_u128(id)
+                        ));
+                    }
+                }
+                Err(e) => problems.push(format!(
+                    "session {} does not decode: {e}",
+                    SessionId::from_u128(id)
+                )),
+            }
+        }
+        for row in by_owner.iter().map_err(StoreError::redb)? {
+            let (entry, _) = row.map_err(StoreError::redb)?;
+            let (owner, id) = entry.value();
+            if sessions.get(id).map_err(StoreError::redb)?.is_none() {
+                problems.push(format!(
+                    "owner index names session {} ({owner:?}) which does not exist",
+                    SessionId::from_u128(id)
+                ));
+            }
+        }
+        for row in locks.iter().map_err(StoreError::redb)? {
+            let (key, bytes) = row.map_err(StoreError::redb)?;
+            report.locks += 1;
+            let key = key.value();
+            let rec = match codec::decode::<LockRecord>(bytes.value()) {
+                Ok(rec) => rec,
+                Err(e) => {
+                    problems.push(format!("lock {key:?} does not decode: {e}"));
+                    continue;
+                }
+            };
+            let sid = rec.session_id.as_u128();
+            if sessions.get(sid).map_err(StoreError::redb)?.is_none() {
+                problems.push(format!(
+                    "lock {key:?} is held by session {} which does not exist",
+                    rec.session_id
+                ));
+            }
+            if index.get((sid, key)).map_err(StoreError::redb)?.is_none() {
+                problems.push(format!(
+                    "lock {key:?} is missing from its session's grant index"
+                ));
+            }
+            if rec.token.0 > report.revision {
+                problems.push(format!(
+                    "lock {key:?} has token {} above the revision counter {}",
+                    rec.token.0, report.revision
+                ));
+            }
+        }
+        for row in index.iter().map_err(StoreError::redb)? {
+            let (entry, _) = row.map_err(StoreError::redb)?;
+            let (sid, key) = entry.value();
+            let holder = match locks.get(key).map_err(StoreError::redb)? {
+                Some(bytes) => codec::decode::<LockRecord>(bytes.value())
+                    .ok()
+                    .map(|r| r.session_id.as_u128()),
+                None => None,
+            };
+            if holder != Some(sid) {
+                problems.push(format!(
+                    "grant index says session {} holds {key:?}, the lock table disagrees",
+                    SessionId::from_u128(sid)
+                ));
+            }
+        }
+        for row in events.iter().map_err(StoreError::redb)? {
+            let (seq, bytes) = row.map_err(StoreError::redb)?;
+            report.events += 1;
+            let seq = seq.value();
+            if seq > event_seq {
+                problems.push(format!(
+                    "event {seq} is above the event counter {event_seq}"
+                ));
+            }
+            if let Err(e) = codec::decode::<Event>(bytes.value()) {
+                problems.push(format!("event {seq} does not decode: {e}"));
+            }
+        }
+        Ok(report)
+    }
+}
+
+fn prepare_dir(dir: &Path) -> Result<PathBuf, StoreError> {
+    std::fs::create_dir_all(dir).map_err(|source| StoreError::DataDir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    Ok(dir.join(DATA_FILE))
+}
+
+fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreError> {
+    let mut meta = txn.open_table(META).map_err(StoreError::redb)?;
+    let mut sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    let mut by_owner = txn
+        .open_table(SESSIONS_BY_OWNER)
+        .map_err(StoreError::redb)?;
+    let mut locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+    let mut index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+    let mut events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+
+    for change in batch.changes {
+        match change {
+            Change::PutSession { id, record } => {
+                let id = id.as_u128();
+                sessions
+                    .insert(id, codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                by_owner
+                    .insert((record.owner.as_str(), id), ())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::SetSessionTtl { id, ttl_ms } => {
+                let found = sessions
+                    .get(id.as_u128())
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<SessionRecord>(b.value()));
+                if let Some(record) = found {
+                    let mut record = record.map_err(corrupt("session"))?;
+                    record.ttl_ms = *ttl_ms;
+                    sessions
+                        .insert(id.as_u128(), codec::encode(&record).as_slice())
+                        .map_err(StoreError::redb)?;
+                }
+            }
+            Change::DeleteSession { id } => {
+                let removed = sessions
+                    .remove(id.as_u128())
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<SessionRecord>(b.value()));
+                if let Some(record) = removed {
+                    let record = record.map_err(corrupt("session"))?;
+                    by_owner
+                        .remove((record.owner.as_str(), id.as_u128()))
+                        .map_err(StoreError::redb)?;
+                }
+            }
+            Change::PutLock { key, record } => {
+                locks
+                    .insert(key.as_str(), codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                index
+                    .insert((record.session_id.as_u128(), key.as_str()), ())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::DeleteLock { key, session_id } => {
+                locks.remove(key.as_str()).map_err(StoreError::redb)?;
+                index
+                    .remove((session_id.as_u128(), key.as_str()))
+                    .map_err(StoreError::redb)?;
+            }
+            Change::Event(event) => {
+                events
+                    .insert(event.seq, codec::encode(event).as_slice())
+                    .map_err(StoreError::redb)?;
+            }
+        }
+    }
+
+    // The counters only ratchet up: a lower value here is a bug that would reissue tokens.
+    let stored = meta
+        .get(META_REVISION)
+        .map_err(StoreError::redb)?
+        .map(|v| v.value())
+        .unwrap_or(0);
+    if batch.revision < stored {
+        return Err(StoreError::RevisionWentBack {
+            stored,
+            new: batch.revision,
+        });
+    }
+    meta.insert(META_REVISION, batch.revision)
+        .map_err(StoreError::redb)?;
+    meta.insert(META_EVENT_SEQ, batch.event_seq)
+        .map_err(StoreError::redb)?;
+
+    let mut committed = Committed::default();
+    if let Some((before, limit)) = batch.trim_events {
+        let mut old = Vec::new();
+        for row in events.iter().map_err(StoreError::redb)? {
+            if old.len() == limit {
+                break;
+            }
+            let (seq, bytes) = row.map_err(StoreError::redb)?;
+            let event: Event = codec::decode(bytes.value()).map_err(corrupt("event"))?;
+            if event.at >= before {
+                break;
+            }
+            old.push(seq.value());
+        }
+        for seq in &old {
+            events.remove(*seq).map_err(StoreError::redb)?;
+        }
+        committed.events_trimmed = old.len();
+    }
+    Ok(committed)
+}
