@@ -31,6 +31,9 @@ pub struct Config {
     /// Longest an acquire may wait for a held lock.
     pub max_wait_ms: u64,
     pub max_locks_per_session: usize,
+    /// Run the background reaper. Off, sessions past their deadline are still gone to every
+    /// call and are ended inline by contenders or by `POST /v1/admin/reap`.
+    pub reaper_enabled: bool,
     /// Longest the reaper sleeps between looks.
     pub reaper_interval_ms: u64,
     /// Most sessions one reaper pass ends in one transaction.
@@ -69,6 +72,7 @@ impl Default for Config {
             max_ttl_ms: limits.max_ttl_ms,
             max_wait_ms: engine.max_wait_ms,
             max_locks_per_session: limits.max_locks_per_session,
+            reaper_enabled: true,
             reaper_interval_ms: engine.reaper_interval_ms,
             reaper_batch: engine.reaper_batch,
             event_retention_ms: engine.event_retention_ms,
@@ -274,6 +278,7 @@ impl Config {
                 max_locks_per_session: self.max_locks_per_session,
             },
             max_wait_ms: self.max_wait_ms,
+            reaper_enabled: self.reaper_enabled,
             reaper_interval_ms: self.reaper_interval_ms,
             reaper_batch: self.reaper_batch,
             event_retention_ms: self.event_retention_ms,

@@ -148,6 +148,10 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_MAX_LOCKS_PER_SESSION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_locks_per_session: Option<usize>,
+    /// Run the background reaper [default: true]
+    #[arg(long, env = "LEASEHOLD_REAPER_ENABLED")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reaper_enabled: Option<bool>,
     /// Longest the reaper sleeps between looks, in ms [default: 1000]
     #[arg(long, env = "LEASEHOLD_REAPER_INTERVAL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -34,6 +34,7 @@ use writer::Command;
 pub struct EngineConfig {
     pub limits: Limits,
     pub max_wait_ms: u64,
+    pub reaper_enabled: bool,
     pub reaper_interval_ms: u64,
     pub reaper_batch: usize,
     pub event_retention_ms: u64,
@@ -47,6 +48,7 @@ impl Default for EngineConfig {
         EngineConfig {
             limits: Limits::default(),
             max_wait_ms: 60_000,
+            reaper_enabled: true,
             reaper_interval_ms: 1_000,
             reaper_batch: 10_000,
             event_retention_ms: 7 * 24 * 3_600_000,
@@ -193,13 +195,17 @@ impl Engine {
             metrics,
         });
         let writer = writer::spawn(shared.clone(), rx)?;
-        let reaper = reaper::spawn(shared.clone(), tx.clone())?;
+        let reaper = if shared.config.reaper_enabled {
+            Some(reaper::spawn(shared.clone(), tx.clone())?)
+        } else {
+            None
+        };
         Ok(Engine {
             shared,
             tx,
             threads: Arc::new(Mutex::new(Threads {
                 writer: Some(writer),
-                reaper: Some(reaper),
+                reaper,
             })),
         })
     }
