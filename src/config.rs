@@ -42,6 +42,8 @@ pub struct Config {
     pub event_retention_ms: u64,
     /// Most audit events one pass trims.
     pub event_trim_batch: usize,
+    /// How long finished (done or failed) jobs are kept.
+    pub job_retention_ms: u64,
     /// Most requests applied in one group commit.
     pub max_batch: usize,
     /// Most requests queued for the writer before new ones get 503.
@@ -77,6 +79,7 @@ impl Default for Config {
             reaper_batch: engine.reaper_batch,
             event_retention_ms: engine.event_retention_ms,
             event_trim_batch: engine.event_trim_batch,
+            job_retention_ms: engine.job_retention_ms,
             max_batch: engine.max_batch,
             queue_capacity: engine.queue_capacity,
             max_body_bytes: 64 * 1024,
@@ -204,6 +207,13 @@ impl Config {
             1_000_000,
             "events",
         )?;
+        range(
+            "job_retention_ms",
+            self.job_retention_ms,
+            1_000,
+            3_650 * DAY_MS,
+            "milliseconds",
+        )?;
         range("max_batch", self.max_batch, 1, 65_536, "requests")?;
         range(
             "queue_capacity",
@@ -283,6 +293,7 @@ impl Config {
             reaper_batch: self.reaper_batch,
             event_retention_ms: self.event_retention_ms,
             event_trim_batch: self.event_trim_batch,
+            job_retention_ms: self.job_retention_ms,
             max_batch: self.max_batch,
             queue_capacity: self.queue_capacity,
         }

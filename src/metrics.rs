@@ -10,7 +10,18 @@ use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
-    pub reason: &'static str,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    pub pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueStateLabels {
+    pub queue: String,
+    pub state: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -54,6 +65,15 @@ pub struct Metrics {
     pub commit_batch_size: Histogram,
     pub requests: Family<RequestLabels, Counter>,
     pub request_seconds: Family<RouteLabel, Histogram>,
+    pub seats_in_use: Family<PoolLabel, Gauge>,
+    pub seats_capacity: Family<PoolLabel, Gauge>,
+    pub seats_reclaimed: Counter,
+    pub seats_refused: Counter,
+    pub seat_wait_seconds: Histogram,
+    pub jobs: Family<QueueStateLabels, Gauge>,
+    pub jobs_recovered: Counter,
+    pub jobs_failed: Family<ReasonLabel, Counter>,
+    pub claim_wait_seconds: Histogram,
 }
 
 impl Metrics {
@@ -77,6 +97,15 @@ impl Metrics {
             commit_batch_size: Histogram::new(size_buckets()),
             requests: Family::default(),
             request_seconds: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
+            seats_in_use: Family::default(),
+            seats_capacity: Family::default(),
+            seats_reclaimed: Counter::default(),
+            seats_refused: Counter::default(),
+            seat_wait_seconds: Histogram::new(latency_buckets()),
+            jobs: Family::default(),
+            jobs_recovered: Counter::default(),
+            jobs_failed: Family::default(),
+            claim_wait_seconds: Histogram::new(latency_buckets()),
             registry: Registry::default(),
         };
         registry.register(
@@ -152,7 +181,82 @@ impl Metrics {
             "HTTP request latency by route",
             m.request_seconds.clone(),
         );
+        registry.register(
+            "seats_in_use",
+            "Seats held, by pool",
+            m.seats_in_use.clone(),
+        );
+        registry.register(
+            "seats_capacity",
+            "Capacity, by pool",
+            m.seats_capacity.clone(),
+        );
+        registry.register(
+            "seats_reclaimed",
+            "Seats taken back because their session ended",
+            m.seats_reclaimed.clone(),
+        );
+        registry.register(
+            "seat_acquisitions_refused",
+            "Seat requests refused because the pool was full",
+            m.seats_refused.clone(),
+        );
+        registry.register(
+            "seat_wait_seconds",
+            "Time from a seat request to its grant",
+            m.seat_wait_seconds.clone(),
+        );
+        registry.register("jobs", "Jobs by queue and state", m.jobs.clone());
+        registry.register(
+            "jobs_recovered",
+            "Jobs put back in their queue because their worker's session ended",
+            m.jobs_recovered.clone(),
+        );
+        registry.register(
+            "jobs_failed",
+            "Jobs failed, by reason (max_recoveries_exceeded, not_idempotent, worker)",
+            m.jobs_failed.clone(),
+        );
+        registry.register(
+            "claim_wait_seconds",
+            "Time from a claim request to the job it got",
+            m.claim_wait_seconds.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Publishes a pool's capacity and use; `None` removes a deleted pool's series.
+    pub fn set_pool(&self, pool: &str, value: Option<(u32, usize)>) {
+        let label = PoolLabel { pool: pool.into() };
+        match value {
+            Some((capacity, in_use)) => {
+                self.seats_capacity
+                    .get_or_create(&label)
+                    .set(i64::from(capacity));
+                self.seats_in_use.get_or_create(&label).set(in_use as i64);
+            }
+            None => {
+                self.seats_capacity.remove(&label);
+                self.seats_in_use.remove(&label);
+            }
+        }
+    }
+
+    /// Publishes a queue's job counts by state.
+    pub fn set_queue(&self, queue: &str, counts: crate::domain::QueueCounts) {
+        for (state, n) in [
+            ("queued", counts.queued),
+            ("claimed", counts.claimed),
+            ("done", counts.done),
+            ("failed", counts.failed),
+        ] {
+            self.jobs
+                .get_or_create(&QueueStateLabels {
+                    queue: queue.into(),
+                    state,
+                })
+                .set(n as i64);
+        }
     }
 
     /// The Prometheus text exposition.
@@ -179,7 +283,9 @@ mod tests {
         let m = Metrics::new();
         m.sessions_opened.inc();
         m.sessions_ended
-            .get_or_create(&ReasonLabel { reason: "expired" })
+            .get_or_create(&ReasonLabel {
+                reason: "expired".into(),
+            })
             .inc();
         let text = m.render();
         assert!(text.contains("leasehold_sessions_opened_total 1"), "{text}");

@@ -7,14 +7,36 @@ use serde::{Deserialize, Serialize};
 use super::AppState;
 use super::error::ApiError;
 use super::extract::{Body, SessionPath};
+use super::jobs::JobPath;
 use super::sessions::{CloseResponse, end};
 use super::wire::HeldLock;
-use crate::domain::EndReason;
+use crate::domain::{EndReason, JobOutcome};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/admin/sessions/{id}/end", routing::post(end_session))
         .route("/v1/admin/reap", routing::post(reap))
+        .route("/v1/admin/jobs/{id}/requeue", routing::post(requeue))
+}
+
+#[derive(Serialize)]
+struct RequeueResponse {
+    job_id: String,
+    state: &'static str,
+    revision: u64,
+}
+
+/// Sends a failed job back to its queue (recovery count reset), audited as `job_requeued`.
+async fn requeue(
+    State(app): State<AppState>,
+    JobPath(job): JobPath,
+) -> Result<Json<RequeueResponse>, ApiError> {
+    let revision = app.engine.requeue(job).await?;
+    Ok(Json(RequeueResponse {
+        job_id: job.to_string(),
+        state: "queued",
+        revision,
+    }))
 }
 
 async fn end_session(
@@ -36,6 +58,21 @@ struct DueSession {
     session_id: String,
     expired_at: u64,
     locks: Vec<HeldLock>,
+    /// Pools whose seat would be reclaimed.
+    seats: Vec<String>,
+    jobs: Vec<DueJob>,
+}
+
+#[derive(Serialize)]
+struct DueJob {
+    job_id: String,
+    /// `recover` or `fail`.
+    action: &'static str,
+    /// For `recover`, the recovery count it would have; for `fail`, why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recovery_count: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -49,6 +86,8 @@ enum ReapResponse {
         dry_run: bool,
         sessions_ended: usize,
         locks_released: usize,
+        seats_released: usize,
+        jobs_settled: usize,
         revision: u64,
     },
 }
@@ -73,6 +112,25 @@ async fn reap(
                     .into_iter()
                     .map(|(key, t)| HeldLock { key, token: t.0 })
                     .collect(),
+                seats: d.seats,
+                jobs: d
+                    .jobs
+                    .into_iter()
+                    .map(|(id, outcome)| match outcome {
+                        JobOutcome::Recovered { recovery_count } => DueJob {
+                            job_id: id.to_string(),
+                            action: "recover",
+                            recovery_count: Some(recovery_count),
+                            reason: None,
+                        },
+                        JobOutcome::Failed { reason } => DueJob {
+                            job_id: id.to_string(),
+                            action: "fail",
+                            recovery_count: None,
+                            reason: Some(reason),
+                        },
+                    })
+                    .collect(),
             })
             .collect();
         return Ok(Json(ReapResponse::DryRun {
@@ -85,6 +143,8 @@ async fn reap(
         dry_run: false,
         sessions_ended: outcome.sessions,
         locks_released: outcome.locks,
+        seats_released: outcome.seats,
+        jobs_settled: outcome.jobs,
         revision: app.engine.revision(),
     }))
 }

@@ -17,6 +17,8 @@ pub enum ApiError {
     },
     SessionGone,
     LockFree,
+    PoolNotFound,
+    JobNotFound,
     NotFound,
     MethodNotAllowed,
     PayloadTooLarge(usize),
@@ -29,6 +31,11 @@ struct Body<'a> {
     message: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     field: Option<String>,
+    /// For `pool_exhausted`: the pool's capacity and seats in use.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    capacity: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    in_use: Option<usize>,
 }
 
 impl ApiError {
@@ -57,6 +64,18 @@ impl ApiError {
                 "no session holds this lock".into(),
                 None,
             ),
+            ApiError::PoolNotFound | ApiError::Engine(E::PoolNotFound) => (
+                StatusCode::NOT_FOUND,
+                "pool_not_found",
+                E::PoolNotFound.to_string(),
+                None,
+            ),
+            ApiError::JobNotFound | ApiError::Engine(E::JobNotFound) => (
+                StatusCode::NOT_FOUND,
+                "job_not_found",
+                E::JobNotFound.to_string(),
+                None,
+            ),
             ApiError::NotFound => (
                 StatusCode::NOT_FOUND,
                 "not_found",
@@ -81,6 +100,12 @@ impl ApiError {
                     E::LockHeld => (StatusCode::CONFLICT, "lock_held"),
                     E::NotHolder => (StatusCode::CONFLICT, "not_holder"),
                     E::TooManyLocks(_) => (StatusCode::CONFLICT, "too_many_locks"),
+                    E::PoolNotFound => (StatusCode::NOT_FOUND, "pool_not_found"),
+                    E::PoolExhausted { .. } => (StatusCode::CONFLICT, "pool_exhausted"),
+                    E::PoolInUse(_) => (StatusCode::CONFLICT, "pool_in_use"),
+                    E::JobNotFound => (StatusCode::NOT_FOUND, "job_not_found"),
+                    E::StaleToken => (StatusCode::CONFLICT, "stale_token"),
+                    E::JobNotFailed => (StatusCode::CONFLICT, "job_not_failed"),
                     E::Invalid(i) => {
                         return (
                             StatusCode::BAD_REQUEST,
@@ -114,6 +139,12 @@ impl From<InvalidInput> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let (capacity, in_use) = match &self {
+            ApiError::Engine(EngineError::PoolExhausted { capacity, in_use }) => {
+                (Some(*capacity), Some(*in_use))
+            }
+            _ => (None, None),
+        };
         let (status, error, message, field) = self.parts();
         if status.is_server_error() {
             tracing::warn!(%status, error, %message, "request refused");
@@ -124,6 +155,8 @@ impl IntoResponse for ApiError {
                 error,
                 message,
                 field,
+                capacity,
+                in_use,
             }),
         )
             .into_response()

@@ -84,7 +84,29 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
     }
 }
 
-/// One percent-decoded path segment, by position among the route's parameters.
+/// The first percent-decoded parameter of the route.
+pub async fn first_segment<S: Send + Sync>(parts: &mut Parts, _: &S) -> Result<String, ApiError> {
+    Ok(segments(parts)
+        .await?
+        .into_iter()
+        .next()
+        .unwrap_or_default())
+}
+
+/// Optional metadata: absent or null is none, an object is kept as JSON text, anything else
+/// is refused.
+pub fn metadata(value: Option<serde_json::Value>) -> Result<Option<String>, ApiError> {
+    match value {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v @ serde_json::Value::Object(_)) => Ok(Some(v.to_string())),
+        Some(_) => Err(ApiError::invalid(
+            "metadata",
+            "metadata must be a JSON object",
+        )),
+    }
+}
+
+/// The percent-decoded parameters of the route, in order.
 async fn segments(parts: &mut Parts) -> Result<Vec<String>, ApiError> {
     match Path::<Vec<String>>::from_request_parts(parts, &()).await {
         Ok(Path(v)) => Ok(v),

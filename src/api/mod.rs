@@ -5,7 +5,9 @@ mod admin;
 pub mod error;
 mod events;
 mod extract;
+mod jobs;
 mod locks;
+mod pools;
 mod probes;
 mod sessions;
 mod wire;
@@ -34,6 +36,8 @@ pub fn router(engine: Engine, max_body_bytes: usize) -> Router {
     Router::new()
         .merge(sessions::routes())
         .merge(locks::routes())
+        .merge(pools::routes())
+        .merge(jobs::routes())
         .merge(events::routes())
         .merge(admin::routes())
         .merge(probes::routes())

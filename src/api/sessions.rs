@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::AppState;
 use super::error::ApiError;
-use super::extract::{Body, Query, SessionPath, page_limit, session_id};
+use super::extract::{Body, Query, SessionPath, metadata, page_limit, session_id};
 use super::wire::{Session, ms};
 use crate::domain::EndReason;
 
@@ -38,16 +38,7 @@ async fn open(
     State(app): State<AppState>,
     Body(req): Body<OpenRequest>,
 ) -> Result<(StatusCode, Json<OpenResponse>), ApiError> {
-    let metadata = match req.metadata {
-        None | Some(serde_json::Value::Null) => None,
-        Some(v @ serde_json::Value::Object(_)) => Some(v.to_string()),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "metadata",
-                "metadata must be a JSON object",
-            ));
-        }
-    };
+    let metadata = metadata(req.metadata)?;
     let opened = app.engine.open(req.owner, req.ttl_ms, metadata).await?;
     Ok((
         StatusCode::CREATED,
@@ -86,7 +77,10 @@ async fn heartbeat(
 
 #[derive(Serialize)]
 pub struct CloseResponse {
+    /// Locks released with the session.
     pub released: usize,
+    pub seats_released: usize,
+    pub jobs_settled: usize,
     pub revision: u64,
 }
 
@@ -100,10 +94,14 @@ pub async fn end(
     Ok(Json(match closed {
         Some(c) => CloseResponse {
             released: c.released,
+            seats_released: c.seats,
+            jobs_settled: c.jobs,
             revision: c.revision,
         },
         None => CloseResponse {
             released: 0,
+            seats_released: 0,
+            jobs_settled: 0,
             revision: app.engine.revision(),
         },
     }))

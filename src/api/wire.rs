@@ -23,15 +23,28 @@ pub struct Session {
     pub state: &'static str,
     pub metadata: serde_json::Value,
     pub locks: Vec<HeldLock>,
+    pub seats: Vec<HeldSeat>,
+    pub jobs: Vec<String>,
+}
+
+#[derive(Serialize)]
+pub struct HeldSeat {
+    pub pool: String,
+    pub seat_token: u64,
+}
+
+/// Stored JSON text back to a value; empty (none given) is null.
+pub fn json_or_null(text: &str) -> serde_json::Value {
+    if text.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_str(text).unwrap_or(serde_json::Value::Null)
+    }
 }
 
 impl From<SessionInfo> for Session {
     fn from(s: SessionInfo) -> Session {
-        let metadata = if s.record.metadata.is_empty() {
-            serde_json::Value::Null
-        } else {
-            serde_json::from_str(&s.record.metadata).unwrap_or(serde_json::Value::Null)
-        };
+        let metadata = json_or_null(&s.record.metadata);
         Session {
             session_id: s.id.to_string(),
             owner: s.record.owner,
@@ -49,6 +62,15 @@ impl From<SessionInfo> for Session {
                     token: token.0,
                 })
                 .collect(),
+            seats: s
+                .seats
+                .into_iter()
+                .map(|(pool, token)| HeldSeat {
+                    pool,
+                    seat_token: token.0,
+                })
+                .collect(),
+            jobs: s.jobs.into_iter().map(|j| j.to_string()).collect(),
         }
     }
 }
@@ -84,11 +106,19 @@ pub struct AuditEvent {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<&'static str>,
+    pub reason: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub released: Vec<HeldLock>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 impl From<Event> for AuditEvent {
@@ -100,7 +130,12 @@ impl From<Event> for AuditEvent {
             session_id: e.session_id.map(|s| s.to_string()),
             key: e.key,
             token: e.token.map(|t| t.0),
-            reason: e.reason.map(|r| r.as_str()),
+            reason: e.reason.map(|r| r.as_str().to_string()).or_else(|| {
+                // A job failure's reason is its detail.
+                (e.kind == crate::domain::EventKind::JobFailed)
+                    .then(|| e.detail.clone())
+                    .flatten()
+            }),
             owner: e.owner,
             released: e
                 .released
@@ -110,6 +145,10 @@ impl From<Event> for AuditEvent {
                     token: r.token.0,
                 })
                 .collect(),
+            pool: e.pool,
+            queue: e.queue,
+            job_id: e.job_id.map(|j| j.to_string()),
+            detail: e.detail,
         }
     }
 }

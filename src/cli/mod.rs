@@ -168,6 +168,10 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_EVENT_TRIM_BATCH")]
     #[serde(skip_serializing_if = "Option::is_none")]
     event_trim_batch: Option<usize>,
+    /// How long finished jobs are kept, in ms [default: 604800000]
+    #[arg(long, env = "LEASEHOLD_JOB_RETENTION_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    job_retention_ms: Option<u64>,
     /// Most requests in one group commit [default: 4096]
     #[arg(long, env = "LEASEHOLD_MAX_BATCH")]
     #[serde(skip_serializing_if = "Option::is_none")]

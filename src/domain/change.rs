@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::ids::{LockKey, SessionId, Token};
+use super::ids::{JobId, LockKey, SessionId, Token};
 use super::time::UnixMs;
 
 /// The durable part of a session. The deadline is not here: it lives on the monotonic clock
@@ -57,6 +57,18 @@ pub enum EventKind {
     SessionEndedByAdmin,
     LockAcquired,
     LockReleased,
+    PoolPut,
+    PoolDeleted,
+    SeatAcquired,
+    SeatReleased,
+    SeatReclaimed,
+    JobEnqueued,
+    JobClaimed,
+    JobCompleted,
+    JobFailed,
+    JobRecovered,
+    JobReleased,
+    JobRequeued,
 }
 
 impl EventKind {
@@ -68,6 +80,18 @@ impl EventKind {
             EventKind::SessionEndedByAdmin => "session_ended_by_admin",
             EventKind::LockAcquired => "lock_acquired",
             EventKind::LockReleased => "lock_released",
+            EventKind::PoolPut => "pool_put",
+            EventKind::PoolDeleted => "pool_deleted",
+            EventKind::SeatAcquired => "seat_acquired",
+            EventKind::SeatReleased => "seat_released",
+            EventKind::SeatReclaimed => "seat_reclaimed",
+            EventKind::JobEnqueued => "job_enqueued",
+            EventKind::JobClaimed => "job_claimed",
+            EventKind::JobCompleted => "job_completed",
+            EventKind::JobFailed => "job_failed",
+            EventKind::JobRecovered => "job_recovered",
+            EventKind::JobReleased => "job_released",
+            EventKind::JobRequeued => "job_requeued",
         }
     }
 
@@ -99,6 +123,85 @@ pub struct Event {
     pub owner: Option<String>,
     /// For a session's end: every lock released with it, in the same transaction.
     pub released: Vec<ReleasedLock>,
+    pub pool: Option<String>,
+    pub queue: Option<String>,
+    pub job_id: Option<JobId>,
+    /// Free text: why a job failed (`max_recoveries_exceeded`, `not_idempotent`, or the
+    /// worker's own reason), a pool's new capacity, and the like.
+    pub detail: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolRecord {
+    pub capacity: u32,
+    pub created_at: UnixMs,
+    /// Serialized JSON object, or empty.
+    pub metadata: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeatRecord {
+    pub token: Token,
+    pub acquired_at: UnixMs,
+    /// Serialized JSON object, or empty: user, host, hardware id, client version.
+    pub metadata: String,
+}
+
+/// Where a job stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobStatus {
+    Queued,
+    Claimed {
+        session_id: SessionId,
+        token: Token,
+        claimed_at: UnixMs,
+    },
+    Done {
+        /// Serialized JSON, or empty.
+        result: String,
+    },
+    Failed {
+        reason: String,
+    },
+}
+
+impl JobStatus {
+    pub fn name(&self) -> &'static str {
+        match self {
+            JobStatus::Queued => "queued",
+            JobStatus::Claimed { .. } => "claimed",
+            JobStatus::Done { .. } => "done",
+            JobStatus::Failed { .. } => "failed",
+        }
+    }
+
+    /// A small number per state, for the store's (queue, state, job) index.
+    pub fn code(&self) -> u8 {
+        match self {
+            JobStatus::Queued => 0,
+            JobStatus::Claimed { .. } => 1,
+            JobStatus::Done { .. } => 2,
+            JobStatus::Failed { .. } => 3,
+        }
+    }
+}
+
+/// A job's durable record, without its payload (stored once, apart, at enqueue).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub queue: String,
+    /// Empty when the client gave none.
+    pub kind: String,
+    pub idempotent: bool,
+    pub max_recoveries: u32,
+    pub recovery_count: u32,
+    /// How many times it has been claimed.
+    pub attempt: u32,
+    /// Position in its queue: smaller is served first; recovered jobs go below every other.
+    pub order: i64,
+    pub status: JobStatus,
+    pub enqueued_at: UnixMs,
+    pub updated_at: UnixMs,
 }
 
 /// One thing to persist. A batch of changes from one or more requests is written in one
@@ -125,6 +228,33 @@ pub enum Change {
     DeleteLock {
         key: LockKey,
         session_id: SessionId,
+    },
+    PutPool {
+        name: LockKey,
+        record: PoolRecord,
+    },
+    DeletePool {
+        name: LockKey,
+    },
+    PutSeat {
+        pool: LockKey,
+        session_id: SessionId,
+        record: SeatRecord,
+    },
+    DeleteSeat {
+        pool: LockKey,
+        session_id: SessionId,
+    },
+    /// Writes a job's record; `payload` only when it is enqueued. The store keeps its
+    /// indexes (by queue and state, by claiming session) in step with the record.
+    PutJob {
+        id: JobId,
+        record: JobRecord,
+        payload: Option<String>,
+    },
+    /// Purges a finished job, payload and all.
+    DeleteJob {
+        id: JobId,
     },
     Event(Event),
 }

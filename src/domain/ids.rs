@@ -42,6 +42,41 @@ impl fmt::Display for SessionId {
     }
 }
 
+/// A job id: a random UUID v4, like session ids never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct JobId(pub Uuid);
+
+impl JobId {
+    pub fn random() -> JobId {
+        JobId(Uuid::new_v4())
+    }
+
+    pub fn as_u128(self) -> u128 {
+        self.0.as_u128()
+    }
+
+    pub fn from_u128(v: u128) -> JobId {
+        JobId(Uuid::from_u128(v))
+    }
+
+    pub fn parse(field: &'static str, text: &str) -> Result<JobId, InvalidInput> {
+        Uuid::try_parse(text)
+            .map(JobId)
+            .map_err(|_| InvalidInput::new(field, "must be a job id (a UUID)"))
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.hyphenated().fmt(f)
+    }
+}
+
+/// A pool name: the same rules as a lock key.
+pub type PoolName = LockKey;
+/// A queue name: the same rules as a lock key.
+pub type QueueName = LockKey;
+
 /// A lock key: 1..=512 bytes of UTF-8 without control characters.
 ///
 /// Shared (`Arc`) between the lock table and the holder's grant list, so holding a key in two

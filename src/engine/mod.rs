@@ -19,14 +19,15 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use crate::clock::Clock;
-use crate::domain::state::RestoreError;
 use crate::domain::time::to_wall;
 use crate::domain::{
-    EndReason, Event, InvalidInput, Limits, LockKey, LockRecord, Mono, SessionId, SessionRecord,
-    SessionView, State, Token, UnixMs,
+    At, EndReason, Event, Finish, InvalidInput, JobId, JobOutcome, JobRecord, JobStatus, Limits,
+    LockKey, LockRecord, Mono, NewJob, PoolName, PoolPut, QueueCounts, QueueName, RestoreError,
+    SeatRecord, SessionId, SessionRecord, SessionView, State, Token, UnixMs,
 };
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreError};
+use waiters::{Resource, Waiters};
 use writer::Command;
 
 /// The engine's settings, taken from the validated configuration.
@@ -39,6 +40,7 @@ pub struct EngineConfig {
     pub reaper_batch: usize,
     pub event_retention_ms: u64,
     pub event_trim_batch: usize,
+    pub job_retention_ms: u64,
     pub max_batch: usize,
     pub queue_capacity: usize,
 }
@@ -53,6 +55,7 @@ impl Default for EngineConfig {
             reaper_batch: 10_000,
             event_retention_ms: 7 * 24 * 3_600_000,
             event_trim_batch: 10_000,
+            job_retention_ms: 7 * 24 * 3_600_000,
             max_batch: 4_096,
             queue_capacity: 65_536,
         }
@@ -65,8 +68,20 @@ pub enum EngineError {
     SessionGone,
     #[error("the lock is held by another session")]
     LockHeld,
-    #[error("the session does not hold this lock with this token")]
+    #[error("the session does not hold this with this token")]
     NotHolder,
+    #[error("no such pool")]
+    PoolNotFound,
+    #[error("every seat of the pool is taken ({in_use} in use of {capacity})")]
+    PoolExhausted { capacity: u32, in_use: usize },
+    #[error("the pool still has {0} seats in use")]
+    PoolInUse(usize),
+    #[error("no such job")]
+    JobNotFound,
+    #[error("the token is not the job's current claim")]
+    StaleToken,
+    #[error("only a failed job can be requeued")]
+    JobNotFailed,
     #[error("the session already holds {0} locks, the most one session may hold")]
     TooManyLocks(usize),
     #[error(transparent)]
@@ -107,7 +122,10 @@ pub struct Beat {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Closed {
+    /// Locks released.
     pub released: usize,
+    pub seats: usize,
+    pub jobs: usize,
     pub revision: u64,
 }
 
@@ -121,10 +139,53 @@ pub struct Granted {
 pub struct ReapOutcome {
     pub sessions: usize,
     pub locks: usize,
+    pub seats: usize,
+    pub jobs: usize,
+}
+
+/// A claimed job, as the claimant is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimed {
+    pub job: JobId,
+    pub token: Token,
+    pub attempt: u32,
+    pub recovery_count: u32,
+    pub kind: String,
+    pub revision: u64,
+}
+
+/// A seat holder as `GET /v1/pools/{pool}` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeatHolder {
+    pub session_id: SessionId,
+    pub owner: String,
+    pub seat: SeatRecord,
+    pub last_heartbeat_at: Option<UnixMs>,
+    /// `None` when the holder is past its deadline and about to be reclaimed.
+    pub grace: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolInfo {
+    pub capacity: u32,
+    pub in_use: usize,
+    pub waiting: usize,
+    pub metadata: String,
+    pub created_at: UnixMs,
+    pub holders: Vec<SeatHolder>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueInfo {
+    pub counts: QueueCounts,
+    pub waiting: usize,
 }
 
 /// A page of locks in key order, and the cursor of the next page.
 pub type LockPage = (Vec<(String, LockRecord)>, Option<String>);
+
+/// A page of jobs in id order, and the cursor of the next page.
+pub type JobPage = (Vec<(JobId, JobRecord)>, Option<JobId>);
 
 /// A session as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -136,6 +197,8 @@ pub struct SessionInfo {
     pub last_heartbeat_at: UnixMs,
     pub grace: bool,
     pub locks: Vec<(String, Token)>,
+    pub seats: Vec<(String, Token)>,
+    pub jobs: Vec<JobId>,
 }
 
 /// A session past its deadline, as a dry run reports it.
@@ -144,6 +207,9 @@ pub struct DueSession {
     pub id: SessionId,
     pub expired_at: UnixMs,
     pub locks: Vec<(String, Token)>,
+    pub seats: Vec<String>,
+    /// Each claimed job and what ending the session would do to it.
+    pub jobs: Vec<(JobId, JobOutcome)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +221,8 @@ pub struct Fence {
 pub(crate) struct Shared {
     pub config: EngineConfig,
     pub state: Mutex<State>,
+    /// Owned by the writer; readers only count waiters. Locked after `state`, never before.
+    pub waiters: Mutex<Waiters>,
     pub store: Store,
     pub clock: Arc<dyn Clock>,
     pub metrics: Arc<Metrics>,
@@ -190,6 +258,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             config,
             state: Mutex::new(state),
+            waiters: Mutex::new(Waiters::default()),
             store,
             clock,
             metrics,
@@ -282,21 +351,34 @@ impl Engine {
         if self.shared.store.failed() {
             return Err(EngineError::StoreFailed);
         }
-        let now = self.shared.clock.now();
-        let beat = self
-            .shared
-            .state
-            .lock()
-            .heartbeat(id, None, now, &mut Vec::new());
+        let at = At {
+            now: self.shared.clock.now(),
+            wall: self.shared.clock.wall(),
+        };
+        let beat = {
+            let mut state = self.shared.state.lock();
+            // A live session's plain heartbeat changes nothing durable: answer it here. Any
+            // other (unknown, or past its deadline and so to be ended durably) goes through
+            // the writer, so that "gone" is only ever said once it is on disk.
+            if state.can_beat_in_memory(id, at.now) {
+                Some(state.heartbeat(id, None, at, &mut crate::domain::Effects::default()))
+            } else {
+                None
+            }
+        };
         match beat {
-            Ok(b) => {
+            Some(Ok(b)) => {
                 self.shared.metrics.heartbeats.inc();
                 Ok(Beat {
-                    expires_at: to_wall(b.deadline, now, self.shared.clock.wall()),
+                    expires_at: to_wall(b.deadline, at.now, at.wall),
                     ttl_ms: b.ttl_ms,
                 })
             }
-            Err(_) => Err(EngineError::SessionGone),
+            Some(Err(_)) => Err(EngineError::SessionGone),
+            None => {
+                self.call(|reply| Command::Heartbeat { id, ttl_ms, reply })
+                    .await
+            }
         }
     }
 
@@ -361,8 +443,10 @@ impl Engine {
     pub fn reap_dry_run(&self, limit: usize) -> Vec<DueSession> {
         let now = self.shared.clock.now();
         let wall = self.shared.clock.wall();
-        let due = self.shared.state.lock().due(now, limit);
-        due.into_iter()
+        let state = self.shared.state.lock();
+        state
+            .due(now, limit)
+            .into_iter()
             .map(|v| DueSession {
                 id: v.id,
                 expired_at: to_wall(v.deadline, now, wall),
@@ -370,6 +454,12 @@ impl Engine {
                     .locks
                     .into_iter()
                     .map(|(k, t)| (k.to_string(), t))
+                    .collect(),
+                seats: v.seats.iter().map(|p| p.to_string()).collect(),
+                jobs: v
+                    .jobs
+                    .iter()
+                    .filter_map(|j| state.job_outcome_if_ended(*j).map(|o| (*j, o)))
                     .collect(),
             })
             .collect()
@@ -386,13 +476,14 @@ impl Engine {
         now: Mono,
         wall: UnixMs,
     ) -> Result<SessionInfo, EngineError> {
-        let locks = self
-            .shared
-            .store
+        let store = &self.shared.store;
+        let locks = store
             .session_locks(view.id)?
             .into_iter()
             .map(|(k, r)| (k, r.token))
             .collect();
+        let seats = store.session_seats(view.id)?;
+        let jobs = store.session_jobs(view.id)?;
         Ok(SessionInfo {
             id: view.id,
             ttl_ms: view.ttl_ms,
@@ -401,6 +492,8 @@ impl Engine {
             grace: view.in_grace(now),
             record,
             locks,
+            seats,
+            jobs,
         })
     }
 
@@ -486,6 +579,212 @@ impl Engine {
         let events = self.shared.store.events(after, limit)?;
         let next = events.last().map(|e| e.seq);
         Ok((events, next))
+    }
+
+    /// Creates a pool or changes its capacity and metadata.
+    pub async fn put_pool(
+        &self,
+        name: PoolName,
+        capacity: u64,
+        metadata: Option<String>,
+    ) -> Result<PoolPut, EngineError> {
+        self.call(|reply| Command::PutPool {
+            name,
+            capacity,
+            metadata: metadata.unwrap_or_default(),
+            reply,
+        })
+        .await
+    }
+
+    pub async fn delete_pool(&self, name: PoolName) -> Result<u64, EngineError> {
+        self.call(|reply| Command::DeletePool { name, reply }).await
+    }
+
+    /// Takes a seat (one per session per pool), waiting up to `wait_ms` in first-come,
+    /// first-served order when the pool is full.
+    pub async fn acquire_seat(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        metadata: Option<String>,
+        wait_ms: u64,
+    ) -> Result<Granted, EngineError> {
+        let started = std::time::Instant::now();
+        let deadline = self.wait_deadline(wait_ms);
+        let r = self
+            .call(|reply| Command::AcquireSeat {
+                id,
+                pool,
+                metadata: metadata.unwrap_or_default(),
+                deadline,
+                reply,
+            })
+            .await;
+        if r.is_ok() {
+            self.shared
+                .metrics
+                .seat_wait_seconds
+                .observe(started.elapsed().as_secs_f64());
+        }
+        r
+    }
+
+    pub async fn release_seat(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        token: Token,
+    ) -> Result<u64, EngineError> {
+        self.call(|reply| Command::ReleaseSeat {
+            id,
+            pool,
+            token,
+            reply,
+        })
+        .await
+    }
+
+    pub async fn enqueue(&self, job: NewJob) -> Result<(JobId, u64), EngineError> {
+        let id = JobId::random();
+        let revision = self
+            .call(|reply| Command::Enqueue { id, job, reply })
+            .await?;
+        Ok((id, revision))
+    }
+
+    /// Claims the oldest queued job, waiting up to `wait_ms` for one; `None` when none came.
+    pub async fn claim(
+        &self,
+        id: SessionId,
+        queue: QueueName,
+        wait_ms: u64,
+    ) -> Result<Option<Claimed>, EngineError> {
+        let started = std::time::Instant::now();
+        let deadline = self.wait_deadline(wait_ms);
+        let r = self
+            .call(|reply| Command::Claim {
+                id,
+                queue,
+                deadline,
+                reply,
+            })
+            .await;
+        if let Ok(Some(_)) = r {
+            self.shared
+                .metrics
+                .claim_wait_seconds
+                .observe(started.elapsed().as_secs_f64());
+        }
+        r
+    }
+
+    pub async fn finish_job(
+        &self,
+        id: SessionId,
+        job: JobId,
+        token: Token,
+        finish: Finish,
+    ) -> Result<u64, EngineError> {
+        self.call(|reply| Command::FinishJob {
+            id,
+            job,
+            token,
+            finish,
+            reply,
+        })
+        .await
+    }
+
+    pub async fn requeue(&self, job: JobId) -> Result<u64, EngineError> {
+        self.call(|reply| Command::Requeue { job, reply }).await
+    }
+
+    fn wait_deadline(&self, wait_ms: u64) -> Option<Mono> {
+        let wait = wait_ms.min(self.shared.config.max_wait_ms);
+        (wait > 0).then(|| self.shared.clock.now().plus_ms(wait))
+    }
+
+    /// A pool with its holders as committed and their liveness.
+    pub fn pool(&self, name: &PoolName) -> Result<Option<PoolInfo>, EngineError> {
+        let Some(record) = self.shared.store.pool(name.as_str())? else {
+            return Ok(None);
+        };
+        let seats = self.shared.store.seats(name.as_str())?;
+        let now = self.shared.clock.now();
+        let wall = self.shared.clock.wall();
+        let state = self.shared.state.lock();
+        let waiting = self
+            .shared
+            .waiters
+            .lock()
+            .waiting(&Resource::Pool(name.clone()));
+        let holders = seats
+            .into_iter()
+            .map(|(sid, seat, session)| {
+                let live = state.session(sid, now);
+                SeatHolder {
+                    session_id: sid,
+                    owner: session.map(|s| s.owner).unwrap_or_default(),
+                    seat,
+                    last_heartbeat_at: live
+                        .as_ref()
+                        .map(|v| to_wall(v.last_heartbeat(), now, wall)),
+                    grace: live.as_ref().map(|v| v.in_grace(now)),
+                }
+            })
+            .collect::<Vec<_>>();
+        Ok(Some(PoolInfo {
+            capacity: record.capacity,
+            in_use: holders.len(),
+            waiting,
+            metadata: record.metadata,
+            created_at: record.created_at,
+            holders,
+        }))
+    }
+
+    /// Every pool: name, capacity, seats in use.
+    pub fn pools(&self) -> Vec<(String, u32, usize)> {
+        self.shared
+            .state
+            .lock()
+            .pools()
+            .into_iter()
+            .map(|(n, c, u)| (n.to_string(), c, u))
+            .collect()
+    }
+
+    pub fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>, EngineError> {
+        Ok(self.shared.store.job(id)?)
+    }
+
+    pub fn queue(&self, name: &QueueName) -> QueueInfo {
+        let counts = self.shared.state.lock().queue_counts(name);
+        let waiting = self
+            .shared
+            .waiters
+            .lock()
+            .waiting(&Resource::Queue(name.clone()));
+        QueueInfo { counts, waiting }
+    }
+
+    /// Jobs of a queue in one state, a page at a time, and the cursor of the next page.
+    pub fn queue_jobs(
+        &self,
+        queue: &QueueName,
+        state: &JobStatus,
+        after: Option<JobId>,
+        limit: usize,
+    ) -> Result<JobPage, EngineError> {
+        let rows = self
+            .shared
+            .store
+            .jobs_in_state(queue.as_str(), state.code(), after, limit)?;
+        let next = (rows.len() == limit)
+            .then(|| rows.last().map(|(id, _)| *id))
+            .flatten();
+        Ok((rows, next))
     }
 
     /// The current revision (what a read-only answer reports).

@@ -5,24 +5,23 @@
 //! If the commit fails the store is fail-stopped and every request of the batch, and every
 //! later one, is answered `StoreFailed`.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use tokio::sync::oneshot;
 
-use super::waiters::{GrantReply, Waiters};
-use super::{Closed, EngineError, Granted, OpenedSession, ReapOutcome, Shared};
+use super::waiters::{Reply, Resource, Waiter, Waiters, Want};
+use super::{Beat, Claimed, Closed, EngineError, Granted, OpenedSession, ReapOutcome, Shared};
 use crate::domain::time::to_wall;
 use crate::domain::{
-    AcquireError, Change, EndReason, Ended, HeartbeatError, LockKey, Mono, SessionId, State, Token,
-    UnixMs,
+    AcquireError, At, Change, Effects, EndReason, Ended, Finish, HeartbeatError, JobError, JobId,
+    JobOutcome, LockKey, NewJob, PoolError, PoolName, PoolPut, QueueName, SeatError, SessionId,
+    State, Token, UnixMs,
 };
 use crate::metrics::ReasonLabel;
 use crate::store::Batch;
-
-type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
 pub enum Command {
     Open {
@@ -35,7 +34,7 @@ pub enum Command {
     Heartbeat {
         id: SessionId,
         ttl_ms: Option<u64>,
-        reply: Reply<super::Beat>,
+        reply: Reply<Beat>,
     },
     End {
         id: SessionId,
@@ -46,13 +45,58 @@ pub enum Command {
         id: SessionId,
         key: LockKey,
         /// Wait until this instant if the lock is held; `None` answers at once.
-        deadline: Option<Mono>,
-        reply: GrantReply,
+        deadline: Option<crate::domain::Mono>,
+        reply: Reply<Granted>,
     },
     Release {
         id: SessionId,
         key: LockKey,
         token: Token,
+        reply: Reply<u64>,
+    },
+    PutPool {
+        name: PoolName,
+        capacity: u64,
+        metadata: String,
+        reply: Reply<PoolPut>,
+    },
+    DeletePool {
+        name: PoolName,
+        reply: Reply<u64>,
+    },
+    AcquireSeat {
+        id: SessionId,
+        pool: PoolName,
+        metadata: String,
+        deadline: Option<crate::domain::Mono>,
+        reply: Reply<Granted>,
+    },
+    ReleaseSeat {
+        id: SessionId,
+        pool: PoolName,
+        token: Token,
+        reply: Reply<u64>,
+    },
+    Enqueue {
+        id: JobId,
+        job: NewJob,
+        reply: Reply<u64>,
+    },
+    Claim {
+        id: SessionId,
+        queue: QueueName,
+        deadline: Option<crate::domain::Mono>,
+        reply: Reply<Option<Claimed>>,
+    },
+    FinishJob {
+        id: SessionId,
+        job: JobId,
+        token: Token,
+        finish: Finish,
+        reply: Reply<u64>,
+    },
+    Requeue {
+        job: JobId,
         reply: Reply<u64>,
     },
     Reap {
@@ -64,33 +108,20 @@ pub enum Command {
 }
 
 /// An answer held back until the batch that produced it has committed.
-enum Pending {
-    Opened(Reply<OpenedSession>, Result<OpenedSession, EngineError>),
-    Beat(Reply<super::Beat>, Result<super::Beat, EngineError>),
-    Closed(Reply<Option<Closed>>, Option<Closed>),
-    Granted(GrantReply, Result<Granted, EngineError>),
-    Released(Reply<u64>, Result<u64, EngineError>),
-    Reaped(Reply<ReapOutcome>, ReapOutcome),
-}
+type Pending = Box<dyn FnOnce(bool) + Send>;
 
-impl Pending {
-    fn send(self, failed: bool) {
-        fn out<T>(tx: Reply<T>, r: Result<T, EngineError>, failed: bool) {
-            let _ = tx.send(if failed {
-                Err(EngineError::StoreFailed)
-            } else {
-                r
-            });
-        }
-        match self {
-            Pending::Opened(tx, r) => out(tx, r, failed),
-            Pending::Beat(tx, r) => out(tx, r, failed),
-            Pending::Closed(tx, r) => out(tx, Ok(r), failed),
-            Pending::Granted(tx, r) => out(tx, r, failed),
-            Pending::Released(tx, r) => out(tx, r, failed),
-            Pending::Reaped(tx, r) => out(tx, Ok(r), failed),
-        }
-    }
+fn pend<T: Send + 'static>(
+    pending: &mut Vec<Pending>,
+    reply: Reply<T>,
+    result: Result<T, EngineError>,
+) {
+    pending.push(Box::new(move |failed| {
+        let _ = reply.send(if failed {
+            Err(EngineError::StoreFailed)
+        } else {
+            result
+        });
+    }));
 }
 
 /// Counts to add to the metrics once the batch has committed.
@@ -101,6 +132,10 @@ struct Tally {
     acquired: u64,
     released: u64,
     released_by_expiry: u64,
+    seats_reclaimed: u64,
+    seats_refused: u64,
+    jobs_recovered: u64,
+    jobs_failed: Vec<String>,
 }
 
 impl Tally {
@@ -114,18 +149,25 @@ impl Tally {
         if e.reason == EndReason::Expired {
             self.released_by_expiry += e.released.len() as u64;
         }
+        self.seats_reclaimed += e.seats.len() as u64;
+        for (_, outcome) in &e.jobs {
+            match outcome {
+                JobOutcome::Recovered { .. } => self.jobs_recovered += 1,
+                JobOutcome::Failed { reason } => self.jobs_failed.push(reason.clone()),
+            }
+        }
     }
 }
 
 struct Writer {
     shared: Arc<Shared>,
-    waiters: Waiters,
-    changes: Vec<Change>,
+    fx: Effects,
     pending: Vec<Pending>,
     tally: Tally,
-    /// Keys freed in this batch whose waiters have not been served yet.
-    freed: Vec<LockKey>,
     trim_events: bool,
+    /// Pools and queues whose gauges need refreshing after the commit.
+    touched_pools: BTreeSet<PoolName>,
+    touched_queues: BTreeSet<QueueName>,
 }
 
 pub fn spawn(shared: Arc<Shared>, rx: Receiver<Command>) -> std::io::Result<JoinHandle<()>> {
@@ -134,12 +176,12 @@ pub fn spawn(shared: Arc<Shared>, rx: Receiver<Command>) -> std::io::Result<Join
         .spawn(move || {
             Writer {
                 shared,
-                waiters: Waiters::default(),
-                changes: Vec::new(),
+                fx: Effects::default(),
                 pending: Vec::new(),
                 tally: Tally::default(),
-                freed: Vec::new(),
                 trim_events: false,
+                touched_pools: BTreeSet::new(),
+                touched_queues: BTreeSet::new(),
             }
             .run(rx)
         })
@@ -150,7 +192,8 @@ impl Writer {
         let mut batch = Vec::with_capacity(self.shared.config.max_batch);
         loop {
             // Sleep until a request arrives or the next waiter times out.
-            let first = match self.waiters.next_deadline() {
+            let next_timeout = self.shared.waiters.lock().next_deadline();
+            let first = match next_timeout {
                 None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
                 Some(deadline) => {
                     let wait = deadline.since(self.shared.clock.now());
@@ -175,8 +218,9 @@ impl Writer {
             }
             self.process(&mut batch);
             if stop {
-                for w in self.waiters.drain() {
-                    let _ = w.reply.send(Err(EngineError::ShuttingDown));
+                let drained = self.shared.waiters.lock().drain();
+                for w in drained {
+                    w.want.fail(EngineError::ShuttingDown);
                 }
                 self.shared.metrics.waiters.set(0);
                 return;
@@ -185,34 +229,33 @@ impl Writer {
     }
 
     fn process(&mut self, batch: &mut Vec<Command>) {
-        let started = Instant::now();
         let count = batch.len();
         if self.shared.store.failed() {
             for cmd in batch.drain(..) {
                 refuse(cmd, EngineError::StoreFailed);
             }
-            for w in self.waiters.drain() {
-                let _ = w.reply.send(Err(EngineError::StoreFailed));
+            let drained = self.shared.waiters.lock().drain();
+            for w in drained {
+                w.want.fail(EngineError::StoreFailed);
             }
             return;
         }
+        let shared = self.shared.clone();
         let (revision, event_seq, sessions, locks) = {
-            let shared = self.shared.clone();
             let mut state = shared.state.lock();
-            let now = self.shared.clock.now();
-            let wall = self.shared.clock.wall();
+            let mut waiters = shared.waiters.lock();
+            let at = At {
+                now: shared.clock.now(),
+                wall: shared.clock.wall(),
+            };
             for cmd in batch.drain(..) {
-                self.apply(&mut state, cmd, now, wall);
-                self.serve_freed(&mut state, now, wall);
+                self.apply(&mut state, &mut waiters, cmd, at);
+                self.settle(&mut state, &mut waiters, at);
             }
-            for w in self.waiters.expire(now) {
-                let r = if state.session(w.session, now).is_some() {
-                    EngineError::LockHeld
-                } else {
-                    EngineError::SessionGone
-                };
-                let _ = w.reply.send(Err(r));
+            for (resource, w) in waiters.expire(at.now) {
+                time_out(&state, resource, w, at);
             }
+            self.shared.metrics.waiters.set(waiters.len() as i64);
             (
                 state.revision(),
                 state.event_seq(),
@@ -220,32 +263,31 @@ impl Writer {
                 state.lock_count(),
             )
         };
-        self.shared.metrics.waiters.set(self.waiters.len() as i64);
 
         let mut failed = false;
         let cutoff = UnixMs(
-            self.shared
+            shared
                 .clock
                 .wall()
                 .0
-                .saturating_sub(self.shared.config.event_retention_ms),
+                .saturating_sub(shared.config.event_retention_ms),
         );
         // Trimming is worth a commit only when the oldest event is past retention.
         if self.trim_events {
             self.trim_events =
-                matches!(self.shared.store.oldest_event_at(), Ok(Some(at)) if at < cutoff);
+                matches!(shared.store.oldest_event_at(), Ok(Some(at)) if at < cutoff);
         }
-        if !self.changes.is_empty() || self.trim_events {
+        if !self.fx.changes.is_empty() || self.trim_events {
             let commit_started = Instant::now();
-            let result = self.shared.store.commit(&Batch {
-                changes: &self.changes,
+            let result = shared.store.commit(&Batch {
+                changes: &self.fx.changes,
                 revision,
                 event_seq,
                 trim_events: self
                     .trim_events
-                    .then_some((cutoff, self.shared.config.event_trim_batch)),
+                    .then_some((cutoff, shared.config.event_trim_batch)),
             });
-            let m = &self.shared.metrics;
+            let m = &shared.metrics;
             m.commit_seconds
                 .observe(commit_started.elapsed().as_secs_f64());
             m.commit_batch_size.observe(count as f64);
@@ -260,24 +302,36 @@ impl Writer {
                 }
             }
         }
-        self.changes.clear();
+        for change in &self.fx.changes {
+            match change {
+                Change::PutPool { name, .. }
+                | Change::DeletePool { name }
+                | Change::PutSeat { pool: name, .. }
+                | Change::DeleteSeat { pool: name, .. } => {
+                    self.touched_pools.insert(name.clone());
+                }
+                Change::PutJob { record, .. } => {
+                    if let Ok(q) = QueueName::parse("queue", &record.queue) {
+                        self.touched_queues.insert(q);
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.fx.clear();
         self.trim_events = false;
         if !failed {
             self.publish(sessions, locks);
         }
         for p in self.pending.drain(..) {
-            p.send(failed);
+            p(failed);
         }
         if failed {
-            for w in self.waiters.drain() {
-                let _ = w.reply.send(Err(EngineError::StoreFailed));
+            let drained = shared.waiters.lock().drain();
+            for w in drained {
+                w.want.fail(EngineError::StoreFailed);
             }
         }
-        tracing::trace!(
-            count,
-            elapsed_us = started.elapsed().as_micros() as u64,
-            "batch"
-        );
     }
 
     fn publish(&mut self, sessions: usize, locks: usize) {
@@ -293,7 +347,7 @@ impl Writer {
             if t.ended[i] > 0 {
                 m.sessions_ended
                     .get_or_create(&ReasonLabel {
-                        reason: reason.as_str(),
+                        reason: reason.as_str().into(),
                     })
                     .inc_by(t.ended[i]);
             }
@@ -301,16 +355,29 @@ impl Writer {
         m.locks_acquired.inc_by(t.acquired);
         m.locks_released.inc_by(t.released);
         m.locks_released_by_expiry.inc_by(t.released_by_expiry);
-    }
-
-    fn ended(&mut self, ended: Vec<Ended>) {
-        for e in ended {
-            self.tally.ended(&e);
-            self.freed.extend(e.released.into_iter().map(|(k, _)| k));
+        m.seats_reclaimed.inc_by(t.seats_reclaimed);
+        m.seats_refused.inc_by(t.seats_refused);
+        m.jobs_recovered.inc_by(t.jobs_recovered);
+        for reason in t.jobs_failed {
+            m.jobs_failed.get_or_create(&ReasonLabel { reason }).inc();
+        }
+        let pools = std::mem::take(&mut self.touched_pools);
+        let queues = std::mem::take(&mut self.touched_queues);
+        let state = self.shared.state.lock();
+        for pool in pools {
+            m.set_pool(
+                pool.as_str(),
+                state.pool(&pool).map(|p| (p.capacity, p.holders.len())),
+            );
+        }
+        for queue in queues {
+            m.set_queue(queue.as_str(), state.queue_counts(&queue));
         }
     }
 
-    fn apply(&mut self, state: &mut State, cmd: Command, now: Mono, wall: UnixMs) {
+    fn apply(&mut self, state: &mut State, waiters: &mut Waiters, cmd: Command, at: At) {
+        let fx = &mut self.fx;
+        let pending = &mut self.pending;
         match cmd {
             Command::Open {
                 id,
@@ -320,157 +387,342 @@ impl Writer {
                 reply,
             } => {
                 let r = state
-                    .open(id, owner, ttl_ms, metadata, now, wall, &mut self.changes)
+                    .open(id, owner, ttl_ms, metadata, at, fx)
                     .map(|o| {
                         self.tally.opened += 1;
                         OpenedSession {
                             id,
                             ttl_ms: o.ttl_ms,
-                            expires_at: to_wall(o.deadline, now, wall),
+                            expires_at: to_wall(o.deadline, at.now, at.wall),
                             revision: o.revision,
                         }
                     })
                     .map_err(EngineError::from);
-                self.pending.push(Pending::Opened(reply, r));
+                pend(pending, reply, r);
             }
             Command::Heartbeat { id, ttl_ms, reply } => {
-                let r = match state.heartbeat(id, ttl_ms, now, &mut self.changes) {
+                let r = match state.heartbeat(id, ttl_ms, at, fx) {
                     Ok(b) => {
                         self.shared.metrics.heartbeats.inc();
-                        Ok(super::Beat {
-                            expires_at: to_wall(b.deadline, now, wall),
+                        Ok(Beat {
+                            expires_at: to_wall(b.deadline, at.now, at.wall),
                             ttl_ms: b.ttl_ms,
                         })
                     }
                     Err(HeartbeatError::Gone) => Err(EngineError::SessionGone),
                     Err(HeartbeatError::Invalid(e)) => Err(e.into()),
                 };
-                self.pending.push(Pending::Beat(reply, r));
+                pend(pending, reply, r);
             }
             Command::End { id, reason, reply } => {
-                let closed = state
-                    .end(id, reason, now, wall, &mut self.changes)
-                    .map(|e| {
-                        let c = Closed {
-                            released: e.released.len(),
-                            revision: e.revision,
-                        };
-                        self.ended(vec![e]);
-                        c
-                    });
-                self.pending.push(Pending::Closed(reply, closed));
+                let closed = state.end(id, reason, at, fx).map(|e| {
+                    self.tally.ended(&e);
+                    Closed {
+                        released: e.released.len(),
+                        seats: e.seats.len(),
+                        jobs: e.jobs.len(),
+                        revision: e.revision,
+                    }
+                });
+                pend(pending, reply, Ok(closed));
             }
             Command::Acquire {
                 id,
                 key,
                 deadline,
                 reply,
-            } => {
-                let mut ended = Vec::new();
-                let r = state.acquire(id, &key, now, wall, &mut self.changes, &mut ended);
-                self.ended(ended);
-                match r {
-                    Ok(a) => {
-                        if a.fresh {
-                            self.tally.acquired += 1;
-                        }
-                        self.pending.push(Pending::Granted(
-                            reply,
-                            Ok(Granted {
-                                token: a.token,
-                                revision: a.revision,
-                            }),
-                        ));
-                    }
-                    Err(AcquireError::Held { .. }) => match deadline {
-                        Some(d) if d > now => self.waiters.push(key, id, d, reply),
-                        _ => self
-                            .pending
-                            .push(Pending::Granted(reply, Err(EngineError::LockHeld))),
-                    },
-                    Err(e) => self
-                        .pending
-                        .push(Pending::Granted(reply, Err(acquire_error(e)))),
+            } => match state.acquire(id, &key, at, fx) {
+                Ok(a) => {
+                    self.tally.acquired += u64::from(a.fresh);
+                    pend(pending, reply, Ok(granted(a.token, a.revision)));
                 }
-            }
+                Err(AcquireError::Held { .. }) => match deadline {
+                    Some(d) if d > at.now => {
+                        waiters.push(Resource::Lock(key), id, d, Want::Lock(reply))
+                    }
+                    _ => pend(pending, reply, Err(EngineError::LockHeld)),
+                },
+                Err(e) => pend(pending, reply, Err(acquire_error(e))),
+            },
             Command::Release {
                 id,
                 key,
                 token,
                 reply,
             } => {
-                let r = match state.release(id, &key, token, wall, &mut self.changes) {
-                    Ok(rev) => {
-                        self.tally.released += 1;
-                        self.freed.push(key);
-                        Ok(rev)
+                let r = state
+                    .release(id, &key, token, at, fx)
+                    .map_err(|_| EngineError::NotHolder);
+                self.tally.released += u64::from(r.is_ok());
+                pend(pending, reply, r);
+            }
+            Command::PutPool {
+                name,
+                capacity,
+                metadata,
+                reply,
+            } => {
+                let created_at = None;
+                let r = state
+                    .put_pool(&name, capacity, metadata, created_at, at, fx)
+                    .map_err(EngineError::from);
+                pend(pending, reply, r);
+            }
+            Command::DeletePool { name, reply } => {
+                let r = state.delete_pool(&name, at, fx).map_err(pool_error);
+                if r.is_ok() {
+                    for w in waiters.take_all(&Resource::Pool(name)) {
+                        w.want.fail(EngineError::PoolNotFound);
                     }
-                    Err(_) => Err(EngineError::NotHolder),
-                };
-                self.pending.push(Pending::Released(reply, r));
+                }
+                pend(pending, reply, r);
+            }
+            Command::AcquireSeat {
+                id,
+                pool,
+                metadata,
+                deadline,
+                reply,
+            } => match state.acquire_seat(id, &pool, metadata.clone(), at, fx) {
+                Ok(g) => pend(pending, reply, Ok(granted(g.token, g.revision))),
+                Err(SeatError::Exhausted { capacity, in_use }) => match deadline {
+                    Some(d) if d > at.now => {
+                        waiters.push(Resource::Pool(pool), id, d, Want::Seat { metadata, reply })
+                    }
+                    _ => {
+                        self.tally.seats_refused += 1;
+                        pend(
+                            pending,
+                            reply,
+                            Err(EngineError::PoolExhausted { capacity, in_use }),
+                        )
+                    }
+                },
+                Err(e) => pend(pending, reply, Err(seat_error(e))),
+            },
+            Command::ReleaseSeat {
+                id,
+                pool,
+                token,
+                reply,
+            } => {
+                let r = state
+                    .release_seat(id, &pool, token, at, fx)
+                    .map_err(pool_error);
+                pend(pending, reply, r);
+            }
+            Command::Enqueue { id, job, reply } => {
+                let r = state.enqueue(id, job, at, fx).map_err(EngineError::from);
+                pend(pending, reply, r);
+            }
+            Command::Claim {
+                id,
+                queue,
+                deadline,
+                reply,
+            } => match state.claim(id, &queue, at, fx) {
+                Ok(Some(c)) => pend(pending, reply, Ok(Some(claimed(c)))),
+                Ok(None) => match deadline {
+                    Some(d) if d > at.now => {
+                        waiters.push(Resource::Queue(queue), id, d, Want::Claim(reply))
+                    }
+                    _ => pend(pending, reply, Ok(None)),
+                },
+                Err(_) => pend(pending, reply, Err(EngineError::SessionGone)),
+            },
+            Command::FinishJob {
+                id,
+                job,
+                token,
+                finish,
+                reply,
+            } => {
+                let r = state
+                    .finish_job(id, job, token, finish, at, fx)
+                    .map_err(job_error);
+                pend(pending, reply, r);
+            }
+            Command::Requeue { job, reply } => {
+                let r = state.requeue(job, at, fx).map_err(job_error);
+                pend(pending, reply, r);
             }
             Command::Reap { limit, reply } => {
-                let ended = state.reap(now, wall, limit, &mut self.changes);
+                let ended = state.reap(at, limit, fx);
                 let outcome = ReapOutcome {
                     sessions: ended.len(),
                     locks: ended.iter().map(|e| e.released.len()).sum(),
+                    seats: ended.iter().map(|e| e.seats.len()).sum(),
+                    jobs: ended.iter().map(|e| e.jobs.len()).sum(),
                 };
-                self.ended(ended);
-                // Each reaper pass also trims old audit events, in the same bounded way.
+                for e in &ended {
+                    self.tally.ended(e);
+                }
+                // Each reaper pass also purges finished jobs and trims old audit events,
+                // in the same bounded way.
+                let before = UnixMs(
+                    at.wall
+                        .0
+                        .saturating_sub(self.shared.config.job_retention_ms),
+                );
+                state.purge_jobs(before, self.shared.config.reaper_batch, fx);
                 self.trim_events = true;
-                self.pending.push(Pending::Reaped(reply, outcome));
+                pend(pending, reply, Ok(outcome));
             }
             Command::Stop => {}
         }
     }
 
-    /// Hands every key freed so far to its first live waiter, in the order they were freed.
-    /// A grant can end an expired session inline and free more keys; those are served too.
-    fn serve_freed(&mut self, state: &mut State, now: Mono, wall: UnixMs) {
-        while !self.freed.is_empty() {
-            for key in std::mem::take(&mut self.freed) {
-                self.serve_key(state, key, now, wall);
+    /// Tallies sessions ended inline and serves the waiters of every resource that freed up,
+    /// until serving them frees nothing more.
+    fn settle(&mut self, state: &mut State, waiters: &mut Waiters, at: At) {
+        loop {
+            for e in std::mem::take(&mut self.fx.ended) {
+                self.tally.ended(&e);
+            }
+            let locks = std::mem::take(&mut self.fx.freed_locks);
+            let pools = std::mem::take(&mut self.fx.freed_pools);
+            let queues = std::mem::take(&mut self.fx.ready_queues);
+            if locks.is_empty() && pools.is_empty() && queues.is_empty() {
+                return;
+            }
+            for key in locks {
+                self.serve(state, waiters, Resource::Lock(key), at);
+            }
+            for pool in pools {
+                self.serve(state, waiters, Resource::Pool(pool), at);
+            }
+            for queue in queues {
+                self.serve(state, waiters, Resource::Queue(queue), at);
             }
         }
     }
 
-    fn serve_key(&mut self, state: &mut State, key: LockKey, now: Mono, wall: UnixMs) {
-        {
-            while let Some(w) = self.waiters.pop(&key) {
-                if w.reply.is_closed() {
-                    continue; // the client gave up; the next in line is served
-                }
-                if w.deadline <= now {
-                    let _ = w.reply.send(Err(EngineError::LockHeld));
-                    continue;
-                }
-                let mut ended = Vec::new();
-                let r = state.acquire(w.session, &key, now, wall, &mut self.changes, &mut ended);
-                self.ended(ended);
-                match r {
-                    Ok(a) => {
-                        self.tally.acquired += u64::from(a.fresh);
-                        self.pending.push(Pending::Granted(
-                            w.reply,
-                            Ok(Granted {
-                                token: a.token,
-                                revision: a.revision,
-                            }),
-                        ));
-                        break;
+    /// Serves `resource`'s waiters in order while it has room: one for a lock, as many as
+    /// there are free seats for a pool, as many as there are queued jobs for a queue.
+    fn serve(&mut self, state: &mut State, waiters: &mut Waiters, resource: Resource, at: At) {
+        loop {
+            let available = match &resource {
+                Resource::Lock(key) => state.lock(key).is_none(),
+                Resource::Pool(pool) => state.pool_has_room(pool),
+                Resource::Queue(queue) => state.queue_has_job(queue),
+            };
+            if !available {
+                return;
+            }
+            let Some(w) = waiters.pop(&resource) else {
+                return;
+            };
+            if w.want.abandoned() {
+                continue; // the client gave up; the next in line is served
+            }
+            if w.deadline <= at.now {
+                time_out(state, resource.clone(), w, at);
+                continue;
+            }
+            let Waiter {
+                id,
+                session,
+                deadline,
+                want,
+            } = w;
+            let fx = &mut self.fx;
+            match (&resource, want) {
+                (Resource::Lock(key), Want::Lock(reply)) => {
+                    match state.acquire(session, key, at, fx) {
+                        Ok(a) => {
+                            self.tally.acquired += u64::from(a.fresh);
+                            pend(&mut self.pending, reply, Ok(granted(a.token, a.revision)));
+                        }
+                        Err(AcquireError::Held { .. }) => {
+                            waiters.push_front(
+                                resource.clone(),
+                                Waiter {
+                                    id,
+                                    session,
+                                    deadline,
+                                    want: Want::Lock(reply),
+                                },
+                            );
+                            return;
+                        }
+                        Err(e) => pend(&mut self.pending, reply, Err(acquire_error(e))),
                     }
-                    Err(AcquireError::Held { .. }) => {
-                        // Cannot happen for a freed key; keep the waiter rather than drop it.
-                        self.waiters
-                            .push(key.clone(), w.session, w.deadline, w.reply);
-                        break;
-                    }
-                    Err(e) => self
-                        .pending
-                        .push(Pending::Granted(w.reply, Err(acquire_error(e)))),
                 }
+                (Resource::Pool(pool), Want::Seat { metadata, reply }) => {
+                    match state.acquire_seat(session, pool, metadata.clone(), at, fx) {
+                        Ok(g) => pend(&mut self.pending, reply, Ok(granted(g.token, g.revision))),
+                        Err(SeatError::Exhausted { .. }) => {
+                            waiters.push_front(
+                                resource.clone(),
+                                Waiter {
+                                    id,
+                                    session,
+                                    deadline,
+                                    want: Want::Seat { metadata, reply },
+                                },
+                            );
+                            return;
+                        }
+                        Err(e) => pend(&mut self.pending, reply, Err(seat_error(e))),
+                    }
+                }
+                (Resource::Queue(queue), Want::Claim(reply)) => {
+                    match state.claim(session, queue, at, fx) {
+                        Ok(Some(c)) => pend(&mut self.pending, reply, Ok(Some(claimed(c)))),
+                        Ok(None) => {
+                            waiters.push_front(
+                                resource.clone(),
+                                Waiter {
+                                    id,
+                                    session,
+                                    deadline,
+                                    want: Want::Claim(reply),
+                                },
+                            );
+                            return;
+                        }
+                        Err(_) => pend(&mut self.pending, reply, Err(EngineError::SessionGone)),
+                    }
+                }
+                (_, want) => want.fail(EngineError::ShuttingDown),
             }
         }
+    }
+}
+
+/// Answers a waiter whose time ran out: the lock is still held, the pool still full, the
+/// queue still empty — or its session is gone.
+fn time_out(state: &State, resource: Resource, w: Waiter, at: At) {
+    if state.session(w.session, at.now).is_none() {
+        w.want.fail(EngineError::SessionGone);
+        return;
+    }
+    match (resource, w.want) {
+        (Resource::Pool(pool), want @ Want::Seat { .. }) => {
+            let (capacity, in_use) = state
+                .pool(&pool)
+                .map_or((0, 0), |p| (p.capacity, p.holders.len()));
+            want.fail(EngineError::PoolExhausted { capacity, in_use });
+        }
+        (_, Want::Claim(reply)) => {
+            let _ = reply.send(Ok(None));
+        }
+        (_, want) => want.fail(EngineError::LockHeld),
+    }
+}
+
+fn granted(token: Token, revision: u64) -> Granted {
+    Granted { token, revision }
+}
+
+fn claimed(c: crate::domain::Claim) -> Claimed {
+    Claimed {
+        job: c.job,
+        token: c.token,
+        attempt: c.attempt,
+        recovery_count: c.recovery_count,
+        kind: c.kind,
+        revision: c.revision,
     }
 }
 
@@ -482,6 +734,34 @@ fn acquire_error(e: AcquireError) -> EngineError {
     }
 }
 
+fn seat_error(e: SeatError) -> EngineError {
+    match e {
+        SeatError::SessionGone => EngineError::SessionGone,
+        SeatError::PoolNotFound => EngineError::PoolNotFound,
+        SeatError::Exhausted { capacity, in_use } => {
+            EngineError::PoolExhausted { capacity, in_use }
+        }
+        SeatError::Invalid(i) => EngineError::Invalid(i),
+    }
+}
+
+fn pool_error(e: PoolError) -> EngineError {
+    match e {
+        PoolError::NotFound => EngineError::PoolNotFound,
+        PoolError::InUse(n) => EngineError::PoolInUse(n),
+        PoolError::NotHolder => EngineError::NotHolder,
+    }
+}
+
+fn job_error(e: JobError) -> EngineError {
+    match e {
+        JobError::NotFound => EngineError::JobNotFound,
+        JobError::StaleToken => EngineError::StaleToken,
+        JobError::NotFailed => EngineError::JobNotFailed,
+        JobError::Invalid(i) => EngineError::Invalid(i),
+    }
+}
+
 fn refuse(cmd: Command, e: EngineError) {
     fn no<T>(tx: Reply<T>, e: EngineError) {
         let _ = tx.send(Err(e));
@@ -490,8 +770,15 @@ fn refuse(cmd: Command, e: EngineError) {
         Command::Open { reply, .. } => no(reply, e),
         Command::Heartbeat { reply, .. } => no(reply, e),
         Command::End { reply, .. } => no(reply, e),
-        Command::Acquire { reply, .. } => no(reply, e),
-        Command::Release { reply, .. } => no(reply, e),
+        Command::Acquire { reply, .. } | Command::AcquireSeat { reply, .. } => no(reply, e),
+        Command::Release { reply, .. }
+        | Command::DeletePool { reply, .. }
+        | Command::ReleaseSeat { reply, .. }
+        | Command::Enqueue { reply, .. }
+        | Command::FinishJob { reply, .. }
+        | Command::Requeue { reply, .. } => no(reply, e),
+        Command::PutPool { reply, .. } => no(reply, e),
+        Command::Claim { reply, .. } => no(reply, e),
         Command::Reap { reply, .. } => no(reply, e),
         Command::Stop => {}
     }

@@ -6,6 +6,11 @@
 //! - `locks`: key → `LockRecord`, with `session_locks` (session id, key) as the session → grants
 //!   index. redb has no foreign keys, so the cascade is emulated: the domain emits one
 //!   `DeleteLock` per grant of an ending session and they commit in the same transaction.
+//! - `pools`: name → `PoolRecord`; `seats`: (pool, session id) → `SeatRecord`, with
+//!   `session_seats` (session id, pool) as the session → seats index;
+//! - `jobs`: job id → `JobRecord`, `job_payloads`: job id → payload (written once), with
+//!   `jobs_by_state` (queue, state, job id) for listing dead letters and `session_jobs`
+//!   (session id, job id) for the claims a session holds;
 //! - `events`: sequence number → `Event`, the audit log.
 //!
 //! Every write is one transaction with immediate durability (fsync) that also writes the
@@ -24,7 +29,10 @@ use redb::{
 use super::codec::{self, CodecError};
 use super::fault::{FaultSwitch, FaultyBackend};
 use crate::domain::state::Restore;
-use crate::domain::{Change, Event, LockKey, LockRecord, SessionId, SessionRecord, UnixMs};
+use crate::domain::{
+    Change, Event, JobId, JobRecord, JobStatus, LockKey, LockRecord, PoolRecord, SeatRecord,
+    SessionId, SessionRecord, Token, UnixMs,
+};
 
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const SESSIONS: TableDefinition<u128, &[u8]> = TableDefinition::new("sessions");
@@ -33,6 +41,13 @@ const SESSIONS_BY_OWNER: TableDefinition<(&str, u128), ()> =
 const LOCKS: TableDefinition<&str, &[u8]> = TableDefinition::new("locks");
 const SESSION_LOCKS: TableDefinition<(u128, &str), ()> = TableDefinition::new("session_locks");
 const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+const POOLS: TableDefinition<&str, &[u8]> = TableDefinition::new("pools");
+const SEATS: TableDefinition<(&str, u128), &[u8]> = TableDefinition::new("seats");
+const SESSION_SEATS: TableDefinition<(u128, &str), ()> = TableDefinition::new("session_seats");
+const JOBS: TableDefinition<u128, &[u8]> = TableDefinition::new("jobs");
+const JOB_PAYLOADS: TableDefinition<u128, &[u8]> = TableDefinition::new("job_payloads");
+const JOBS_BY_STATE: TableDefinition<(&str, u8, u128), ()> = TableDefinition::new("jobs_by_state");
+const SESSION_JOBS: TableDefinition<(u128, u128), ()> = TableDefinition::new("session_jobs");
 
 const META_SCHEMA: &str = "schema";
 const META_REVISION: &str = "revision";
@@ -171,6 +186,13 @@ impl Store {
             txn.open_table(LOCKS).map_err(StoreError::redb)?;
             txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
             txn.open_table(EVENTS).map_err(StoreError::redb)?;
+            txn.open_table(POOLS).map_err(StoreError::redb)?;
+            txn.open_table(SEATS).map_err(StoreError::redb)?;
+            txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
+            txn.open_table(JOBS).map_err(StoreError::redb)?;
+            txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
+            txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
+            txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
         }
         txn.commit().map_err(StoreError::redb)?;
         Ok(Store {
@@ -214,17 +236,55 @@ impl Store {
         for row in locks_table.iter().map_err(StoreError::redb)? {
             let (key, bytes) = row.map_err(StoreError::redb)?;
             let record: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-            let key = LockKey::parse("key", key.value()).map_err(|e| StoreError::BadKey {
-                key: key.value().to_string(),
-                rule: e.to_string(),
-            })?;
-            locks.push((key, record));
+            locks.push((stored_key(key.value())?, record));
+        }
+        let mut pools = Vec::new();
+        for row in txn
+            .open_table(POOLS)
+            .map_err(StoreError::redb)?
+            .iter()
+            .map_err(StoreError::redb)?
+        {
+            let (name, bytes) = row.map_err(StoreError::redb)?;
+            let record: PoolRecord = codec::decode(bytes.value()).map_err(corrupt("pool"))?;
+            pools.push((stored_key(name.value())?, record.capacity));
+        }
+        let mut seats = Vec::new();
+        for row in txn
+            .open_table(SEATS)
+            .map_err(StoreError::redb)?
+            .iter()
+            .map_err(StoreError::redb)?
+        {
+            let (k, bytes) = row.map_err(StoreError::redb)?;
+            let (pool, sid) = k.value();
+            let record: SeatRecord = codec::decode(bytes.value()).map_err(corrupt("seat"))?;
+            seats.push((
+                stored_key(pool)?,
+                SessionId::from_u128(sid),
+                record.token,
+                record.acquired_at,
+            ));
+        }
+        let mut jobs = Vec::new();
+        for row in txn
+            .open_table(JOBS)
+            .map_err(StoreError::redb)?
+            .iter()
+            .map_err(StoreError::redb)?
+        {
+            let (id, bytes) = row.map_err(StoreError::redb)?;
+            let record: JobRecord = codec::decode(bytes.value()).map_err(corrupt("job"))?;
+            jobs.push((JobId::from_u128(id.value()), record));
         }
         Ok(Restore {
             revision,
             event_seq,
             sessions,
             locks,
+            pools,
+            seats,
+            jobs,
         })
     }
 
@@ -397,6 +457,127 @@ impl Store {
         Ok(out)
     }
 
+    pub fn pool(&self, name: &str) -> Result<Option<PoolRecord>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(POOLS).map_err(StoreError::redb)?;
+        match table.get(name).map_err(StoreError::redb)? {
+            Some(b) => Ok(Some(codec::decode(b.value()).map_err(corrupt("pool"))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Every seat of a pool, as committed, with the holder's session record.
+    pub fn seats(
+        &self,
+        pool: &str,
+    ) -> Result<Vec<(SessionId, SeatRecord, Option<SessionRecord>)>, StoreError> {
+        let txn = self.read()?;
+        let seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
+        let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let mut out = Vec::new();
+        for row in seats
+            .range((pool, 0u128)..=(pool, u128::MAX))
+            .map_err(StoreError::redb)?
+        {
+            let (k, bytes) = row.map_err(StoreError::redb)?;
+            let sid = k.value().1;
+            let seat = codec::decode(bytes.value()).map_err(corrupt("seat"))?;
+            let session = match sessions.get(sid).map_err(StoreError::redb)? {
+                Some(b) => Some(codec::decode(b.value()).map_err(corrupt("session"))?),
+                None => None,
+            };
+            out.push((SessionId::from_u128(sid), seat, session));
+        }
+        Ok(out)
+    }
+
+    /// The seats a session holds, as committed: (pool, token).
+    pub fn session_seats(&self, id: SessionId) -> Result<Vec<(String, Token)>, StoreError> {
+        let txn = self.read()?;
+        let index = txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
+        let seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
+        let id = id.as_u128();
+        let mut out = Vec::new();
+        for row in index.range((id, "")..).map_err(StoreError::redb)? {
+            let (entry, _) = row.map_err(StoreError::redb)?;
+            let (sid, pool) = entry.value();
+            if sid != id {
+                break;
+            }
+            if let Some(b) = seats.get((pool, sid)).map_err(StoreError::redb)? {
+                let seat: SeatRecord = codec::decode(b.value()).map_err(corrupt("seat"))?;
+                out.push((pool.to_string(), seat.token));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The jobs a session has claimed, as committed.
+    pub fn session_jobs(&self, id: SessionId) -> Result<Vec<JobId>, StoreError> {
+        let txn = self.read()?;
+        let index = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
+        let id = id.as_u128();
+        let mut out = Vec::new();
+        for row in index
+            .range((id, 0u128)..=(id, u128::MAX))
+            .map_err(StoreError::redb)?
+        {
+            let (entry, _) = row.map_err(StoreError::redb)?;
+            out.push(JobId::from_u128(entry.value().1));
+        }
+        Ok(out)
+    }
+
+    /// A job's record and payload, as committed.
+    pub fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>, StoreError> {
+        let txn = self.read()?;
+        let jobs = txn.open_table(JOBS).map_err(StoreError::redb)?;
+        let payloads = txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
+        let Some(b) = jobs.get(id.as_u128()).map_err(StoreError::redb)? else {
+            return Ok(None);
+        };
+        let record = codec::decode(b.value()).map_err(corrupt("job"))?;
+        let payload = match payloads.get(id.as_u128()).map_err(StoreError::redb)? {
+            Some(p) => codec::decode(p.value()).map_err(corrupt("job payload"))?,
+            None => String::new(),
+        };
+        Ok(Some((record, payload)))
+    }
+
+    /// Jobs of `queue` in state `code` (see `JobStatus::code`), in id order after `after`.
+    pub fn jobs_in_state(
+        &self,
+        queue: &str,
+        code: u8,
+        after: Option<JobId>,
+        limit: usize,
+    ) -> Result<Vec<(JobId, JobRecord)>, StoreError> {
+        let txn = self.read()?;
+        let index = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
+        let jobs = txn.open_table(JOBS).map_err(StoreError::redb)?;
+        let Some(start) = after.map_or(Some(0), |a| a.as_u128().checked_add(1)) else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for row in index
+            .range((queue, code, start)..=(queue, code, u128::MAX))
+            .map_err(StoreError::redb)?
+        {
+            if out.len() == limit {
+                break;
+            }
+            let (entry, _) = row.map_err(StoreError::redb)?;
+            let id = entry.value().2;
+            if let Some(b) = jobs.get(id).map_err(StoreError::redb)? {
+                out.push((
+                    JobId::from_u128(id),
+                    codec::decode(b.value()).map_err(corrupt("job"))?,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
     /// When the oldest audit event still kept was written.
     pub fn oldest_event_at(&self) -> Result<Option<UnixMs>, StoreError> {
         let txn = self.read()?;
@@ -531,12 +712,38 @@ impl Store {
     }
 }
 
+/// A key, pool or queue name read back from the store; it passed the rules when written.
+fn stored_key(text: &str) -> Result<LockKey, StoreError> {
+    LockKey::parse("key", text).map_err(|e| StoreError::BadKey {
+        key: text.to_string(),
+        rule: e.to_string(),
+    })
+}
+
 fn prepare_dir(dir: &Path) -> Result<PathBuf, StoreError> {
     std::fs::create_dir_all(dir).map_err(|source| StoreError::DataDir {
         path: dir.to_path_buf(),
         source,
     })?;
     Ok(dir.join(DATA_FILE))
+}
+
+/// Removes a job record's index entries, before it is rewritten or deleted.
+fn unindex_job(
+    by_state: &mut redb::Table<(&str, u8, u128), ()>,
+    session_jobs: &mut redb::Table<(u128, u128), ()>,
+    id: u128,
+    old: &JobRecord,
+) -> Result<(), StoreError> {
+    by_state
+        .remove((old.queue.as_str(), old.status.code(), id))
+        .map_err(StoreError::redb)?;
+    if let JobStatus::Claimed { session_id, .. } = &old.status {
+        session_jobs
+            .remove((session_id.as_u128(), id))
+            .map_err(StoreError::redb)?;
+    }
+    Ok(())
 }
 
 fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreError> {
@@ -548,6 +755,13 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let mut locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
     let mut index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
     let mut events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+    let mut pools = txn.open_table(POOLS).map_err(StoreError::redb)?;
+    let mut seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
+    let mut session_seats = txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
+    let mut jobs = txn.open_table(JOBS).map_err(StoreError::redb)?;
+    let mut payloads = txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
+    let mut by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
+    let mut session_jobs = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
 
     for change in batch.changes {
         match change {
@@ -598,6 +812,86 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 index
                     .remove((session_id.as_u128(), key.as_str()))
                     .map_err(StoreError::redb)?;
+            }
+            Change::PutPool { name, record } => {
+                pools
+                    .insert(name.as_str(), codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::DeletePool { name } => {
+                pools.remove(name.as_str()).map_err(StoreError::redb)?;
+            }
+            Change::PutSeat {
+                pool,
+                session_id,
+                record,
+            } => {
+                let sid = session_id.as_u128();
+                seats
+                    .insert((pool.as_str(), sid), codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                session_seats
+                    .insert((sid, pool.as_str()), ())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::DeleteSeat { pool, session_id } => {
+                let sid = session_id.as_u128();
+                seats
+                    .remove((pool.as_str(), sid))
+                    .map_err(StoreError::redb)?;
+                session_seats
+                    .remove((sid, pool.as_str()))
+                    .map_err(StoreError::redb)?;
+            }
+            Change::PutJob {
+                id,
+                record,
+                payload,
+            } => {
+                let id = id.as_u128();
+                let old = jobs
+                    .get(id)
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<JobRecord>(b.value()));
+                if let Some(old) = old {
+                    unindex_job(
+                        &mut by_state,
+                        &mut session_jobs,
+                        id,
+                        &old.map_err(corrupt("job"))?,
+                    )?;
+                }
+                jobs.insert(id, codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                by_state
+                    .insert((record.queue.as_str(), record.status.code(), id), ())
+                    .map_err(StoreError::redb)?;
+                if let JobStatus::Claimed { session_id, .. } = &record.status {
+                    session_jobs
+                        .insert((session_id.as_u128(), id), ())
+                        .map_err(StoreError::redb)?;
+                }
+                if let Some(payload) = payload {
+                    payloads
+                        .insert(id, codec::encode(payload).as_slice())
+                        .map_err(StoreError::redb)?;
+                }
+            }
+            Change::DeleteJob { id } => {
+                let id = id.as_u128();
+                let old = jobs
+                    .remove(id)
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<JobRecord>(b.value()));
+                if let Some(old) = old {
+                    unindex_job(
+                        &mut by_state,
+                        &mut session_jobs,
+                        id,
+                        &old.map_err(corrupt("job"))?,
+                    )?;
+                }
+                payloads.remove(id).map_err(StoreError::redb)?;
             }
             Change::Event(event) => {
                 events

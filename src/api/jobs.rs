@@ -1,0 +1,369 @@
+//! `/v1/queues` and `/v1/jobs`: job leases — enqueue, claim, finish or hand back, inspect,
+//! and list dead letters.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router, routing};
+use serde::{Deserialize, Serialize};
+
+use super::AppState;
+use super::error::ApiError;
+use super::extract::{Body, KeyPath, Query, page_limit, session_id};
+use super::wire::json_or_null;
+use crate::domain::{Finish, JobId, JobRecord, JobStatus, NewJob, Token};
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/queues/{queue}", routing::get(queue))
+        .route("/v1/queues/{queue}/jobs", routing::post(enqueue).get(list))
+        .route("/v1/queues/{queue}/claim", routing::post(claim))
+        .route("/v1/jobs/{id}", routing::get(show))
+        .route("/v1/jobs/{id}/complete", routing::post(complete))
+        .route("/v1/jobs/{id}/fail", routing::post(fail))
+        .route("/v1/jobs/{id}/release", routing::post(release))
+}
+
+/// The `{id}` of a job route.
+pub struct JobPath(pub JobId);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for JobPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        let text = super::extract::first_segment(parts, state).await?;
+        Ok(JobPath(JobId::parse("job_id", &text)?))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnqueueRequest {
+    payload: serde_json::Value,
+    idempotent: Option<bool>,
+    max_recoveries: Option<u32>,
+    kind: Option<String>,
+}
+
+#[derive(Serialize)]
+struct EnqueueResponse {
+    job_id: String,
+    queue: String,
+    revision: u64,
+}
+
+async fn enqueue(
+    State(app): State<AppState>,
+    KeyPath(queue): KeyPath,
+    Body(req): Body<EnqueueRequest>,
+) -> Result<(StatusCode, Json<EnqueueResponse>), ApiError> {
+    let (id, revision) = app
+        .engine
+        .enqueue(NewJob {
+            queue: queue.clone(),
+            payload: req.payload.to_string(),
+            idempotent: req.idempotent.unwrap_or(false),
+            max_recoveries: req.max_recoveries,
+            kind: req.kind,
+        })
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(EnqueueResponse {
+            job_id: id.to_string(),
+            queue: queue.to_string(),
+            revision,
+        }),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClaimRequest {
+    session_id: String,
+    wait_ms: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct ClaimResponse {
+    job_id: String,
+    queue: String,
+    token: u64,
+    payload: serde_json::Value,
+    attempt: u32,
+    recovery_count: u32,
+    kind: Option<String>,
+    revision: u64,
+}
+
+async fn claim(
+    State(app): State<AppState>,
+    KeyPath(queue): KeyPath,
+    Body(req): Body<ClaimRequest>,
+) -> Result<Response, ApiError> {
+    let id = session_id(&req.session_id)?;
+    let Some(c) = app
+        .engine
+        .claim(id, queue.clone(), req.wait_ms.unwrap_or(0))
+        .await?
+    else {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    };
+    // The claim is committed, and so is the job's payload: it was written at enqueue.
+    let payload = app
+        .engine
+        .job(c.job)?
+        .map(|(_, p)| json_or_null(&p))
+        .unwrap_or(serde_json::Value::Null);
+    Ok(Json(ClaimResponse {
+        job_id: c.job.to_string(),
+        queue: queue.to_string(),
+        token: c.token.0,
+        payload,
+        attempt: c.attempt,
+        recovery_count: c.recovery_count,
+        kind: (!c.kind.is_empty()).then_some(c.kind),
+        revision: c.revision,
+    })
+    .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompleteRequest {
+    session_id: String,
+    token: u64,
+    result: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FailRequest {
+    session_id: String,
+    token: u64,
+    reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseRequest {
+    session_id: String,
+    token: u64,
+}
+
+#[derive(Serialize)]
+struct FinishResponse {
+    job_id: String,
+    state: &'static str,
+    revision: u64,
+}
+
+async fn finish(
+    app: &AppState,
+    job: JobId,
+    session: &str,
+    token: u64,
+    how: Finish,
+) -> Result<Json<FinishResponse>, ApiError> {
+    let id = session_id(session)?;
+    let state = match how {
+        Finish::Complete { .. } => "done",
+        Finish::Fail { .. } => "failed",
+        Finish::Release => "queued",
+    };
+    let revision = app.engine.finish_job(id, job, Token(token), how).await?;
+    Ok(Json(FinishResponse {
+        job_id: job.to_string(),
+        state,
+        revision,
+    }))
+}
+
+async fn complete(
+    State(app): State<AppState>,
+    JobPath(job): JobPath,
+    Body(req): Body<CompleteRequest>,
+) -> Result<Json<FinishResponse>, ApiError> {
+    let result = req.result.map(|r| r.to_string()).unwrap_or_default();
+    finish(
+        &app,
+        job,
+        &req.session_id,
+        req.token,
+        Finish::Complete { result },
+    )
+    .await
+}
+
+async fn fail(
+    State(app): State<AppState>,
+    JobPath(job): JobPath,
+    Body(req): Body<FailRequest>,
+) -> Result<Json<FinishResponse>, ApiError> {
+    let reason = req.reason.unwrap_or_else(|| "failed by worker".into());
+    finish(
+        &app,
+        job,
+        &req.session_id,
+        req.token,
+        Finish::Fail { reason },
+    )
+    .await
+}
+
+async fn release(
+    State(app): State<AppState>,
+    JobPath(job): JobPath,
+    Body(req): Body<ReleaseRequest>,
+) -> Result<Json<FinishResponse>, ApiError> {
+    finish(&app, job, &req.session_id, req.token, Finish::Release).await
+}
+
+#[derive(Serialize)]
+pub struct Job {
+    job_id: String,
+    queue: String,
+    state: &'static str,
+    kind: Option<String>,
+    idempotent: bool,
+    attempt: u32,
+    recovery_count: u32,
+    max_recoveries: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    claimed_by: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    claimed_at: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure_reason: Option<String>,
+    enqueued_at: u64,
+    updated_at: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload: Option<serde_json::Value>,
+}
+
+pub fn job_json(id: JobId, r: JobRecord, payload: Option<&str>) -> Job {
+    let mut job = Job {
+        job_id: id.to_string(),
+        state: r.status.name(),
+        queue: r.queue,
+        kind: (!r.kind.is_empty()).then_some(r.kind),
+        idempotent: r.idempotent,
+        attempt: r.attempt,
+        recovery_count: r.recovery_count,
+        max_recoveries: r.max_recoveries,
+        claimed_by: None,
+        token: None,
+        claimed_at: None,
+        result: None,
+        failure_reason: None,
+        enqueued_at: r.enqueued_at.0,
+        updated_at: r.updated_at.0,
+        payload: payload.map(json_or_null),
+    };
+    match r.status {
+        JobStatus::Queued => {}
+        JobStatus::Claimed {
+            session_id,
+            token,
+            claimed_at,
+        } => {
+            job.claimed_by = Some(session_id.to_string());
+            job.token = Some(token.0);
+            job.claimed_at = Some(claimed_at.0);
+        }
+        JobStatus::Done { result } => job.result = Some(json_or_null(&result)),
+        JobStatus::Failed { reason } => job.failure_reason = Some(reason),
+    }
+    job
+}
+
+async fn show(State(app): State<AppState>, JobPath(id): JobPath) -> Result<Json<Job>, ApiError> {
+    let (record, payload) = app.engine.job(id)?.ok_or(ApiError::JobNotFound)?;
+    Ok(Json(job_json(id, record, Some(&payload))))
+}
+
+#[derive(Serialize)]
+struct QueueResponse {
+    queue: String,
+    queued: u64,
+    claimed: u64,
+    done: u64,
+    failed: u64,
+    waiting: usize,
+}
+
+async fn queue(State(app): State<AppState>, KeyPath(queue): KeyPath) -> Json<QueueResponse> {
+    let info = app.engine.queue(&queue);
+    Json(QueueResponse {
+        queue: queue.to_string(),
+        queued: info.counts.queued,
+        claimed: info.counts.claimed,
+        done: info.counts.done,
+        failed: info.counts.failed,
+        waiting: info.waiting,
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    state: Option<String>,
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct ListResponse {
+    jobs: Vec<Job>,
+    next: Option<String>,
+}
+
+async fn list(
+    State(app): State<AppState>,
+    KeyPath(queue): KeyPath,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<ListResponse>, ApiError> {
+    let limit = page_limit(q.limit, 100, 1_000)?;
+    let state = match q.state.as_deref().unwrap_or("failed") {
+        "queued" => JobStatus::Queued,
+        "claimed" => JobStatus::Claimed {
+            session_id: crate::domain::SessionId::from_u128(0),
+            token: Token(0),
+            claimed_at: crate::domain::UnixMs(0),
+        },
+        "done" => JobStatus::Done {
+            result: String::new(),
+        },
+        "failed" => JobStatus::Failed {
+            reason: String::new(),
+        },
+        other => {
+            return Err(ApiError::invalid(
+                "state",
+                format!("state must be queued, claimed, done or failed, not {other:?}"),
+            ));
+        }
+    };
+    let after = match q.after.as_deref() {
+        Some(a) => Some(
+            JobId::parse("after", a)
+                .map_err(|_| ApiError::invalid("after", "after must be a job id"))?,
+        ),
+        None => None,
+    };
+    let (rows, next) = app.engine.queue_jobs(&queue, &state, after, limit)?;
+    Ok(Json(ListResponse {
+        jobs: rows
+            .into_iter()
+            .map(|(id, r)| job_json(id, r, None))
+            .collect(),
+        next: next.map(|n| n.to_string()),
+    }))
+}
