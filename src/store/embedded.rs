@@ -695,6 +695,8 @@ impl Store {
                 ));
             }
         }
+        check_seats(&txn, report.revision, problems)?;
+        check_jobs(&txn, report.revision, problems)?;
         for row in events.iter().map_err(StoreError::redb)? {
             let (seq, bytes) = row.map_err(StoreError::redb)?;
             report.events += 1;
@@ -710,6 +712,152 @@ impl Store {
         }
         Ok(report)
     }
+}
+
+/// Every seat's session and pool exist, its token is below the counter, and the session →
+/// seats index matches the seats both ways.
+fn check_seats(
+    txn: &ReadTransaction,
+    revision: u64,
+    problems: &mut Vec<String>,
+) -> Result<(), StoreError> {
+    let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    let pools = txn.open_table(POOLS).map_err(StoreError::redb)?;
+    let seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
+    let index = txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
+    for row in seats.iter().map_err(StoreError::redb)? {
+        let (k, bytes) = row.map_err(StoreError::redb)?;
+        let (pool, sid) = k.value();
+        let who = SessionId::from_u128(sid);
+        match codec::decode::<SeatRecord>(bytes.value()) {
+            Ok(seat) if seat.token.0 > revision => problems.push(format!(
+                "seat of {who} in {pool:?} has token {} above the revision counter {revision}",
+                seat.token.0
+            )),
+            Ok(_) => {}
+            Err(e) => problems.push(format!("seat of {who} in {pool:?} does not decode: {e}")),
+        }
+        if sessions.get(sid).map_err(StoreError::redb)?.is_none() {
+            problems.push(format!(
+                "seat in {pool:?} is held by session {who} which does not exist"
+            ));
+        }
+        if pools.get(pool).map_err(StoreError::redb)?.is_none() {
+            problems.push(format!(
+                "seat of {who} is in pool {pool:?} which does not exist"
+            ));
+        }
+        if index.get((sid, pool)).map_err(StoreError::redb)?.is_none() {
+            problems.push(format!(
+                "seat of {who} in {pool:?} is missing from its session's index"
+            ));
+        }
+    }
+    for row in index.iter().map_err(StoreError::redb)? {
+        let (k, _) = row.map_err(StoreError::redb)?;
+        let (sid, pool) = k.value();
+        if seats.get((pool, sid)).map_err(StoreError::redb)?.is_none() {
+            problems.push(format!(
+                "seat index says session {} holds a seat in {pool:?}, the seat table disagrees",
+                SessionId::from_u128(sid)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every job decodes and has its payload and state index entry; a claimed job's session
+/// exists and its token is below the counter; the session → jobs index matches the claims.
+fn check_jobs(
+    txn: &ReadTransaction,
+    revision: u64,
+    problems: &mut Vec<String>,
+) -> Result<(), StoreError> {
+    let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    let jobs = txn.open_table(JOBS).map_err(StoreError::redb)?;
+    let payloads = txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
+    let by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
+    let index = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
+    for row in jobs.iter().map_err(StoreError::redb)? {
+        let (id, bytes) = row.map_err(StoreError::redb)?;
+        let id = id.value();
+        let job = JobId::from_u128(id);
+        let record = match codec::decode::<JobRecord>(bytes.value()) {
+            Ok(r) => r,
+            Err(e) => {
+                problems.push(format!("job {job} does not decode: {e}"));
+                continue;
+            }
+        };
+        if payloads.get(id).map_err(StoreError::redb)?.is_none() {
+            problems.push(format!("job {job} has no payload"));
+        }
+        if by_state
+            .get((record.queue.as_str(), record.status.code(), id))
+            .map_err(StoreError::redb)?
+            .is_none()
+        {
+            problems.push(format!("job {job} is missing from the state index"));
+        }
+        if record.recovery_count > record.max_recoveries {
+            problems.push(format!("job {job} was recovered more often than its cap"));
+        }
+        if let JobStatus::Claimed {
+            session_id, token, ..
+        } = &record.status
+        {
+            let sid = session_id.as_u128();
+            if sessions.get(sid).map_err(StoreError::redb)?.is_none() {
+                problems.push(format!(
+                    "job {job} is claimed by session {session_id} which does not exist"
+                ));
+            }
+            if index.get((sid, id)).map_err(StoreError::redb)?.is_none() {
+                problems.push(format!(
+                    "claimed job {job} is missing from its session's index"
+                ));
+            }
+            if token.0 > revision {
+                problems.push(format!(
+                    "job {job} has claim token {} above the revision counter {revision}",
+                    token.0
+                ));
+            }
+        }
+    }
+    for row in by_state.iter().map_err(StoreError::redb)? {
+        let (k, _) = row.map_err(StoreError::redb)?;
+        let (queue, code, id) = k.value();
+        let matches = match jobs.get(id).map_err(StoreError::redb)? {
+            Some(b) => codec::decode::<JobRecord>(b.value())
+                .is_ok_and(|r| r.queue == queue && r.status.code() == code),
+            None => false,
+        };
+        if !matches {
+            problems.push(format!(
+                "state index lists job {} in {queue:?} state {code}, the job table disagrees",
+                JobId::from_u128(id)
+            ));
+        }
+    }
+    for row in index.iter().map_err(StoreError::redb)? {
+        let (k, _) = row.map_err(StoreError::redb)?;
+        let (sid, id) = k.value();
+        let claimed = match jobs.get(id).map_err(StoreError::redb)? {
+            Some(b) => codec::decode::<JobRecord>(b.value()).is_ok_and(|r| {
+                matches!(r.status, JobStatus::Claimed { session_id, .. } if session_id.as_u128() == sid)
+            }),
+            None => false,
+        };
+        if !claimed {
+            problems.push(format!(
+                "job index says session {} claimed job {}, the job table disagrees",
+                SessionId::from_u128(sid),
+                JobId::from_u128(id)
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A key, pool or queue name read back from the store; it passed the rules when written.
@@ -938,4 +1086,172 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
         committed.events_trimmed = old.len();
     }
     Ok(committed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{At, Effects, Limits, Mono, State};
+
+    fn at(ms: u64) -> At {
+        At {
+            now: Mono(ms),
+            wall: UnixMs(1_700_000_000_000 + ms),
+        }
+    }
+
+    fn commit(store: &Store, state: &State, fx: &mut Effects) {
+        store
+            .commit(&Batch {
+                changes: &fx.changes,
+                revision: state.revision(),
+                event_seq: state.event_seq(),
+                trim_events: None,
+            })
+            .unwrap();
+        fx.clear();
+    }
+
+    #[test]
+    fn what_is_committed_loads_back_and_checks_clean() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20).unwrap();
+        let mut state = State::new(Limits::default());
+        let mut fx = Effects::default();
+        let id = SessionId::random();
+        state
+            .open(id, "a".into(), Some(5_000), String::new(), at(0), &mut fx)
+            .unwrap();
+        let key = LockKey::parse("key", "k").unwrap();
+        state.acquire(id, &key, at(1), &mut fx).unwrap();
+        commit(&store, &state, &mut fx);
+        let restore = store.load().unwrap();
+        assert_eq!(restore.revision, 2);
+        assert_eq!(restore.sessions, vec![(id, 5_000)]);
+        assert_eq!(restore.locks.len(), 1);
+        let report = store.check().unwrap();
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+        assert_eq!(store.session_locks(id).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn check_reports_an_orphan_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20).unwrap();
+        let orphan = Change::PutLock {
+            key: LockKey::parse("key", "k").unwrap(),
+            record: LockRecord {
+                session_id: SessionId::random(),
+                token: Token(5),
+                acquired_at: UnixMs(0),
+            },
+        };
+        store
+            .commit(&Batch {
+                changes: &[orphan],
+                revision: 3,
+                event_seq: 0,
+                trim_events: None,
+            })
+            .unwrap();
+        let report = store.check().unwrap();
+        assert_eq!(report.problems.len(), 2, "{:?}", report.problems);
+        assert!(report.problems[0].contains("does not exist"));
+        assert!(report.problems[1].contains("above the revision counter"));
+    }
+
+    #[test]
+    fn the_revision_never_goes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20).unwrap();
+        let batch = |revision| Batch {
+            changes: &[],
+            revision,
+            event_seq: 0,
+            trim_events: None,
+        };
+        store.commit(&batch(10)).unwrap();
+        assert!(matches!(
+            store.commit(&batch(9)),
+            Err(StoreError::RevisionWentBack { stored: 10, new: 9 })
+        ));
+        // The refused commit failed the store for good.
+        assert!(store.failed());
+        assert!(matches!(store.commit(&batch(11)), Err(StoreError::Failed)));
+    }
+
+    #[test]
+    fn an_io_failure_fail_stops_and_loses_nothing_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, switch) = Store::open_with_faults(dir.path(), 1 << 20).unwrap();
+        let mut state = State::new(Limits::default());
+        let mut fx = Effects::default();
+        let id = SessionId::random();
+        state
+            .open(id, "a".into(), Some(5_000), String::new(), at(0), &mut fx)
+            .unwrap();
+        commit(&store, &state, &mut fx);
+        switch.fail_writes();
+        state
+            .open(
+                SessionId::random(),
+                "b".into(),
+                None,
+                String::new(),
+                at(1),
+                &mut fx,
+            )
+            .unwrap();
+        assert!(
+            store
+                .commit(&Batch {
+                    changes: &fx.changes,
+                    revision: state.revision(),
+                    event_seq: state.event_seq(),
+                    trim_events: None,
+                })
+                .is_err()
+        );
+        assert!(store.failed());
+        drop(store);
+        let store = Store::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(store.load().unwrap().sessions, vec![(id, 5_000)]);
+    }
+
+    #[test]
+    fn old_events_are_trimmed_in_bounded_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20).unwrap();
+        let mut state = State::new(Limits::default());
+        let mut fx = Effects::default();
+        for i in 0..5 {
+            state
+                .open(
+                    SessionId::random(),
+                    "a".into(),
+                    None,
+                    String::new(),
+                    at(i * 1_000),
+                    &mut fx,
+                )
+                .unwrap();
+        }
+        commit(&store, &state, &mut fx);
+        let trim = |limit| {
+            store
+                .commit(&Batch {
+                    changes: &[],
+                    revision: state.revision(),
+                    event_seq: state.event_seq(),
+                    trim_events: Some((at(3_500).wall, limit)),
+                })
+                .unwrap()
+                .events_trimmed
+        };
+        assert_eq!(trim(3), 3);
+        assert_eq!(trim(3), 1);
+        assert_eq!(trim(3), 0);
+        let left: Vec<u64> = store.events(0, 10).unwrap().iter().map(|e| e.seq).collect();
+        assert_eq!(left, vec![5]);
+    }
 }
