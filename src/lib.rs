@@ -7,6 +7,7 @@ pub mod clock;
 pub mod config;
 pub mod domain;
 pub mod engine;
+pub mod loadgen;
 pub mod metrics;
 pub mod server;
 pub mod store;

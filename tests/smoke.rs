@@ -15,9 +15,10 @@ async fn open_lock_expire_reap() {
         .await;
     assert_eq!(fence.body["current"], true);
     s.advance(2_000);
-    assert_eq!(s.heartbeat(&a).await.status, 404);
     let reaped = s.reap().await;
     assert_eq!(reaped.body["sessions_ended"], 1);
+    assert_eq!(reaped.body["locks_released"], 1);
     assert_eq!(s.get("/v1/locks/db%2Fmigrate").await.status, 404);
+    assert_eq!(s.heartbeat(&a).await.status, 404);
     s.stop().await;
 }

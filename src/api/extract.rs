@@ -13,10 +13,24 @@ use crate::domain::{LockKey, SessionId};
 /// A JSON body of type `T`.
 pub struct Body<T>(pub T);
 
+/// The field a serde message names (`missing field `owner``, `unknown field `colour``).
+fn named_field(message: &str) -> Option<String> {
+    let rest = message
+        .strip_prefix("missing field `")
+        .or_else(|| message.strip_prefix("unknown field `"))?;
+    rest.split('`').next().map(str::to_string)
+}
+
 fn decode_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     let path = e.path().to_string();
     let inner = e.into_inner();
-    let field = (path != ".").then_some(path);
+    // A missing or unknown field is reported at its parent; name the field itself.
+    let named = named_field(&inner.to_string());
+    let field = match (path.as_str(), named) {
+        (".", named) => named,
+        (_, Some(named)) if !path.ends_with(&named) => Some(format!("{path}.{named}")),
+        _ => Some(path),
+    };
     let message = match &field {
         Some(f) => format!("{f}: {inner}"),
         None => format!("invalid JSON body: {inner}"),
@@ -30,8 +44,13 @@ pub fn json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     } else {
         bytes
     };
-    let de = &mut serde_json::Deserializer::from_slice(bytes);
-    let value = serde_path_to_error::deserialize(de).map_err(decode_error)?;
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(decode_error)?;
+    // One JSON value and nothing after it: `{...} trailing` is malformed, not a prefix.
+    de.end().map_err(|e| ApiError::Invalid {
+        field: None,
+        message: format!("invalid JSON body: {e}"),
+    })?;
     Ok(value)
 }
 
@@ -146,6 +165,36 @@ impl<S: Send + Sync> FromRequestParts<S> for KeyPath {
 /// A session id sent in a body: parsed with the field name in the error.
 pub fn session_id(text: &str) -> Result<SessionId, ApiError> {
     Ok(SessionId::parse("session_id", text)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serde_messages_name_their_field() {
+        assert_eq!(
+            named_field("missing field `owner`").as_deref(),
+            Some("owner")
+        );
+        assert_eq!(
+            named_field("unknown field `colour`, expected one of `owner`").as_deref(),
+            Some("colour")
+        );
+        assert_eq!(named_field("invalid type: string"), None);
+    }
+
+    #[test]
+    fn one_value_and_nothing_after_it() {
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct T {
+            a: u32,
+        }
+        assert!(json::<T>(b"{\"a\":1}  ").is_ok());
+        assert!(json::<T>(b"{\"a\":1} x").is_err());
+        assert!(json::<T>(b"{\"a\":1}{\"a\":2}").is_err());
+    }
 }
 
 /// Page sizes: a missing limit takes `default`; above `max` is an error, not a silent cap.

@@ -1,6 +1,7 @@
 //! The command line: `serve`, the client commands that talk to a running server, and the
 //! offline integrity check.
 
+mod bench;
 mod check;
 mod remote;
 mod serve;
@@ -63,6 +64,8 @@ enum Command {
         #[arg(long)]
         follow: bool,
     },
+    /// Generate load against a running server and report throughput and latency.
+    Bench(bench::BenchArgs),
     /// Run a reaper pass now, or with --dry-run list what it would end.
     Reap {
         #[command(flatten)]
@@ -230,6 +233,7 @@ pub fn run(cli: Cli) -> ExitCode {
             limit,
             follow,
         } => remote::block_on(remote::events(&server.server, after, limit, follow)),
+        Command::Bench(args) => bench::run(args),
         Command::Reap { server, dry_run } => {
             remote::block_on(remote::reap(&server.server, dry_run))
         }

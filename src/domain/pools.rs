@@ -206,16 +206,7 @@ impl State {
             });
         }
         if !pool.has_room() {
-            let now = at.now;
-            let expired: Vec<SessionId> = pool
-                .holders
-                .keys()
-                .filter(|h| self.sessions.get(h).is_none_or(|s| s.expired(now)))
-                .copied()
-                .collect();
-            for holder in expired {
-                let _ = self.live_or_end(holder, at, fx);
-            }
+            self.end_expired_seat_holders(pool_name, at, fx);
             let pool = &self.pools[pool_name];
             if !pool.has_room() {
                 return Err(SeatError::Exhausted {
@@ -261,6 +252,30 @@ impl State {
             revision,
             fresh: true,
         })
+    }
+
+    /// Whether session `id` holds a seat in `pool`.
+    pub fn holds_seat(&self, id: SessionId, pool: &PoolName) -> bool {
+        self.pools
+            .get(pool)
+            .is_some_and(|p| p.holders.contains_key(&id))
+    }
+
+    /// Ends every holder of a seat in `pool` that is past its deadline; their seats are
+    /// reclaimed and offered to whoever waits first.
+    pub fn end_expired_seat_holders(&mut self, pool: &PoolName, at: At, fx: &mut Effects) {
+        let Some(p) = self.pools.get(pool) else {
+            return;
+        };
+        let expired: Vec<SessionId> = p
+            .holders
+            .keys()
+            .filter(|h| self.sessions.get(h).is_none_or(|s| s.expired(at.now)))
+            .copied()
+            .collect();
+        for holder in expired {
+            let _ = self.live_or_end(holder, at, fx);
+        }
     }
 
     /// Gives a seat back if the live session `id` holds it with exactly `token`.

@@ -584,6 +584,23 @@ impl State {
         })
     }
 
+    /// Whether session `id` holds `key`.
+    pub fn holds(&self, id: SessionId, key: &LockKey) -> bool {
+        self.locks.get(key).is_some_and(|l| l.session == id)
+    }
+
+    /// Ends the holder of `key` if it is past its deadline, so that the key goes to whoever
+    /// waits for it first. True when the key was freed.
+    pub fn end_expired_holder(&mut self, key: &LockKey, at: At, fx: &mut Effects) -> bool {
+        match self.locks.get(key) {
+            Some(lock) => {
+                let holder = lock.session;
+                self.live_or_end(holder, at, fx).is_err()
+            }
+            None => false,
+        }
+    }
+
     /// Releases `key` if the live session `id` holds it with exactly `token`; returns the
     /// revision. A session past its deadline is ended inline and holds nothing any more.
     pub fn release(

@@ -218,6 +218,17 @@ pub struct Fence {
     pub latest: Option<Token>,
 }
 
+/// Keeps the first `limit` rows of a page fetched with one extra, and returns the last kept
+/// row (the next cursor) only when the extra row showed there is more.
+fn more<T>(rows: &mut Vec<T>, limit: usize) -> Option<&T> {
+    if rows.len() > limit {
+        rows.truncate(limit);
+        rows.last()
+    } else {
+        None
+    }
+}
+
 pub(crate) struct Shared {
     pub config: EngineConfig,
     pub state: Mutex<State>,
@@ -433,6 +444,8 @@ impl Engine {
             let pass = self.call(|reply| Command::Reap { limit, reply }).await?;
             total.sessions += pass.sessions;
             total.locks += pass.locks;
+            total.seats += pass.seats;
+            total.jobs += pass.jobs;
             if pass.sessions < limit {
                 return Ok(total);
             }
@@ -497,8 +510,19 @@ impl Engine {
         })
     }
 
+    /// Liveness lives in memory, and after a failed commit memory may hold changes that
+    /// were never committed: from then on the server no longer vouches for who is alive.
+    fn vouch_for_liveness(&self) -> Result<(), EngineError> {
+        if self.shared.store.failed() {
+            Err(EngineError::StoreFailed)
+        } else {
+            Ok(())
+        }
+    }
+
     /// A live session, as committed. `None` when it is gone.
     pub fn session(&self, id: SessionId) -> Result<Option<SessionInfo>, EngineError> {
+        self.vouch_for_liveness()?;
         let now = self.shared.clock.now();
         let wall = self.shared.clock.wall();
         let Some(view) = self.live(id, now) else {
@@ -517,10 +541,9 @@ impl Engine {
         after: Option<SessionId>,
         limit: usize,
     ) -> Result<(Vec<SessionInfo>, Option<SessionId>), EngineError> {
-        let rows = self.shared.store.sessions(owner, after, limit)?;
-        let next = (rows.len() == limit)
-            .then(|| rows.last().map(|(id, _)| *id))
-            .flatten();
+        self.vouch_for_liveness()?;
+        let mut rows = self.shared.store.sessions(owner, after, limit + 1)?;
+        let next = more(&mut rows, limit).map(|(id, _)| *id);
         let now = self.shared.clock.now();
         let wall = self.shared.clock.wall();
         let views: Vec<_> = {
@@ -546,16 +569,15 @@ impl Engine {
         after: Option<&str>,
         limit: usize,
     ) -> Result<LockPage, EngineError> {
-        let rows = self.shared.store.locks(prefix, after, limit)?;
-        let next = (rows.len() == limit)
-            .then(|| rows.last().map(|(k, _)| k.clone()))
-            .flatten();
+        let mut rows = self.shared.store.locks(prefix, after, limit + 1)?;
+        let next = more(&mut rows, limit).map(|(k, _)| k.clone());
         Ok((rows, next))
     }
 
     /// May a resource still accept `token` for `key`? Only while it is the token of the key's
     /// present holder and that holder's session is alive.
     pub fn fence(&self, key: &LockKey, token: Token) -> Result<Fence, EngineError> {
+        self.vouch_for_liveness()?;
         let Some(lock) = self.shared.store.lock(key.as_str())? else {
             return Ok(Fence {
                 current: false,
@@ -707,6 +729,7 @@ impl Engine {
 
     /// A pool with its holders as committed and their liveness.
     pub fn pool(&self, name: &PoolName) -> Result<Option<PoolInfo>, EngineError> {
+        self.vouch_for_liveness()?;
         let Some(record) = self.shared.store.pool(name.as_str())? else {
             return Ok(None);
         };
@@ -777,13 +800,11 @@ impl Engine {
         after: Option<JobId>,
         limit: usize,
     ) -> Result<JobPage, EngineError> {
-        let rows = self
-            .shared
-            .store
-            .jobs_in_state(queue.as_str(), state.code(), after, limit)?;
-        let next = (rows.len() == limit)
-            .then(|| rows.last().map(|(id, _)| *id))
-            .flatten();
+        let mut rows =
+            self.shared
+                .store
+                .jobs_in_state(queue.as_str(), state.code(), after, limit + 1)?;
+        let next = more(&mut rows, limit).map(|(id, _)| *id);
         Ok((rows, next))
     }
 

@@ -17,8 +17,8 @@ use super::{Beat, Claimed, Closed, EngineError, Granted, OpenedSession, ReapOutc
 use crate::domain::time::to_wall;
 use crate::domain::{
     AcquireError, At, Change, Effects, EndReason, Ended, Finish, HeartbeatError, JobError, JobId,
-    JobOutcome, LockKey, NewJob, PoolError, PoolName, PoolPut, QueueName, SeatError, SessionId,
-    State, Token, UnixMs,
+    JobOutcome, LockKey, Mono, NewJob, PoolError, PoolName, PoolPut, QueueName, SeatError,
+    SessionId, State, Token, UnixMs,
 };
 use crate::metrics::ReasonLabel;
 use crate::store::Batch;
@@ -45,7 +45,7 @@ pub enum Command {
         id: SessionId,
         key: LockKey,
         /// Wait until this instant if the lock is held; `None` answers at once.
-        deadline: Option<crate::domain::Mono>,
+        deadline: Option<Mono>,
         reply: Reply<Granted>,
     },
     Release {
@@ -68,7 +68,7 @@ pub enum Command {
         id: SessionId,
         pool: PoolName,
         metadata: String,
-        deadline: Option<crate::domain::Mono>,
+        deadline: Option<Mono>,
         reply: Reply<Granted>,
     },
     ReleaseSeat {
@@ -85,7 +85,7 @@ pub enum Command {
     Claim {
         id: SessionId,
         queue: QueueName,
-        deadline: Option<crate::domain::Mono>,
+        deadline: Option<Mono>,
         reply: Reply<Option<Claimed>>,
     },
     FinishJob {
@@ -431,19 +431,7 @@ impl Writer {
                 key,
                 deadline,
                 reply,
-            } => match state.acquire(id, &key, at, fx) {
-                Ok(a) => {
-                    self.tally.acquired += u64::from(a.fresh);
-                    pend(pending, reply, Ok(granted(a.token, a.revision)));
-                }
-                Err(AcquireError::Held { .. }) => match deadline {
-                    Some(d) if d > at.now => {
-                        waiters.push(Resource::Lock(key), id, d, Want::Lock(reply))
-                    }
-                    _ => pend(pending, reply, Err(EngineError::LockHeld)),
-                },
-                Err(e) => pend(pending, reply, Err(acquire_error(e))),
-            },
+            } => self.acquire(state, waiters, id, key, deadline, reply, at),
             Command::Release {
                 id,
                 key,
@@ -483,23 +471,7 @@ impl Writer {
                 metadata,
                 deadline,
                 reply,
-            } => match state.acquire_seat(id, &pool, metadata.clone(), at, fx) {
-                Ok(g) => pend(pending, reply, Ok(granted(g.token, g.revision))),
-                Err(SeatError::Exhausted { capacity, in_use }) => match deadline {
-                    Some(d) if d > at.now => {
-                        waiters.push(Resource::Pool(pool), id, d, Want::Seat { metadata, reply })
-                    }
-                    _ => {
-                        self.tally.seats_refused += 1;
-                        pend(
-                            pending,
-                            reply,
-                            Err(EngineError::PoolExhausted { capacity, in_use }),
-                        )
-                    }
-                },
-                Err(e) => pend(pending, reply, Err(seat_error(e))),
-            },
+            } => self.acquire_seat(state, waiters, (id, pool, metadata), deadline, reply, at),
             Command::ReleaseSeat {
                 id,
                 pool,
@@ -569,6 +541,94 @@ impl Writer {
                 pend(pending, reply, Ok(outcome));
             }
             Command::Stop => {}
+        }
+    }
+
+    /// A lock request. When others already wait for the key, a newcomer goes behind them:
+    /// an expired holder is ended and the first waiters served before it is considered.
+    #[allow(clippy::too_many_arguments)]
+    fn acquire(
+        &mut self,
+        state: &mut State,
+        waiters: &mut Waiters,
+        id: SessionId,
+        key: LockKey,
+        deadline: Option<Mono>,
+        reply: Reply<Granted>,
+        at: At,
+    ) {
+        let line = Resource::Lock(key.clone());
+        let queued_behind = |state: &State, waiters: &Waiters| {
+            waiters.waiting(&line) > 0
+                && state.session(id, at.now).is_some()
+                && !state.holds(id, &key)
+        };
+        if queued_behind(state, waiters) {
+            state.end_expired_holder(&key, at, &mut self.fx);
+            self.settle(state, waiters, at);
+        }
+        if queued_behind(state, waiters) {
+            match deadline {
+                Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply)),
+                _ => pend(&mut self.pending, reply, Err(EngineError::LockHeld)),
+            }
+            return;
+        }
+        match state.acquire(id, &key, at, &mut self.fx) {
+            Ok(a) => {
+                self.tally.acquired += u64::from(a.fresh);
+                pend(&mut self.pending, reply, Ok(granted(a.token, a.revision)));
+            }
+            Err(AcquireError::Held { .. }) => match deadline {
+                Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply)),
+                _ => pend(&mut self.pending, reply, Err(EngineError::LockHeld)),
+            },
+            Err(e) => pend(&mut self.pending, reply, Err(acquire_error(e))),
+        }
+    }
+
+    /// A seat request, queued behind earlier waiters like a lock request.
+    fn acquire_seat(
+        &mut self,
+        state: &mut State,
+        waiters: &mut Waiters,
+        (id, pool, metadata): (SessionId, PoolName, String),
+        deadline: Option<Mono>,
+        reply: Reply<Granted>,
+        at: At,
+    ) {
+        let line = Resource::Pool(pool.clone());
+        let queued_behind = |state: &State, waiters: &Waiters| {
+            waiters.waiting(&line) > 0
+                && state.session(id, at.now).is_some()
+                && !state.holds_seat(id, &pool)
+        };
+        if queued_behind(state, waiters) {
+            state.end_expired_seat_holders(&pool, at, &mut self.fx);
+            self.settle(state, waiters, at);
+        }
+        let result = if queued_behind(state, waiters) {
+            let (capacity, in_use) = state
+                .pool(&pool)
+                .map_or((0, 0), |p| (p.capacity, p.holders.len()));
+            Err(SeatError::Exhausted { capacity, in_use })
+        } else {
+            state.acquire_seat(id, &pool, metadata.clone(), at, &mut self.fx)
+        };
+        match result {
+            Ok(g) => pend(&mut self.pending, reply, Ok(granted(g.token, g.revision))),
+            Err(SeatError::Exhausted { capacity, in_use }) => match deadline {
+                Some(d) if d > at.now => waiters.push(line, id, d, Want::Seat { metadata, reply }),
+                _ => {
+                    self.tally.seats_refused += 1;
+                    pend(
+                        &mut self.pending,
+                        reply,
+                        Err(EngineError::PoolExhausted { capacity, in_use }),
+                    )
+                }
+            },
+            Err(e) => pend(&mut self.pending, reply, Err(seat_error(e))),
         }
     }
 
