@@ -92,6 +92,7 @@ impl App {
     /// Stops accepting, drains in-flight requests, then stops the engine (the writer
     /// finishes what is queued) and closes the store.
     pub async fn shutdown(mut self) {
+        self.engine.begin_drain();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }

@@ -115,8 +115,8 @@ impl Metrics {
         );
         registry.register("locks_held", "Locks currently held", m.locks_held.clone());
         registry.register(
-            "lock_waiters",
-            "Acquire requests waiting for a lock",
+            "waiters",
+            "Requests waiting for a lock, a seat or a job",
             m.waiters.clone(),
         );
         registry.register(
@@ -198,7 +198,7 @@ impl Metrics {
         );
         registry.register(
             "seat_acquisitions_refused",
-            "Seat requests refused because the pool was full",
+            "Seat requests refused because the pool was full (at once or after waiting)",
             m.seats_refused.clone(),
         );
         registry.register(
@@ -214,7 +214,7 @@ impl Metrics {
         );
         registry.register(
             "jobs_failed",
-            "Jobs failed, by reason (max_recoveries_exceeded, not_idempotent, worker)",
+            "Jobs failed, by reason: max_recoveries_exceeded, not_idempotent, or worker (failed by its worker)",
             m.jobs_failed.clone(),
         );
         registry.register(

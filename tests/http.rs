@@ -152,7 +152,7 @@ async fn metric(s: &TestServer, series: &str) -> Option<f64> {
 async fn until_waiters(s: &TestServer, n: u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while Instant::now() < deadline {
-        if metric(s, "leasehold_lock_waiters").await == Some(n as f64) {
+        if metric(s, "leasehold_waiters").await == Some(n as f64) {
             return;
         }
         tokio::task::yield_now().await;

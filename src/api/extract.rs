@@ -94,10 +94,14 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
             .map(Query)
             .map_err(|e| {
                 let path = e.path().to_string();
-                let inner = e.into_inner();
+                let inner = e.into_inner().to_string();
+                let field = match named_field(&inner) {
+                    Some(named) => named,
+                    None => path,
+                };
                 ApiError::Invalid {
-                    message: format!("query parameter {path}: {inner}"),
-                    field: Some(path),
+                    message: format!("query parameter {field}: {inner}"),
+                    field: Some(field),
                 }
             })
     }
@@ -149,16 +153,30 @@ impl<S: Send + Sync> FromRequestParts<S> for SessionPath {
     }
 }
 
-/// The `{key}` of a lock route: percent-decoded, so any valid key works, `/` included.
+/// The `{key}`, `{pool}` or `{queue}` of a route: percent-decoded, so any valid name works,
+/// `/` included. An invalid one is reported under the parameter's own name.
 pub struct KeyPath(pub LockKey);
 
 impl<S: Send + Sync> FromRequestParts<S> for KeyPath {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        let segs = segments(parts).await?;
-        let text = segs.first().map(String::as_str).unwrap_or("");
-        Ok(KeyPath(LockKey::parse("key", text)?))
+        let params = match Path::<Vec<(String, String)>>::from_request_parts(parts, &()).await {
+            Ok(Path(v)) => v,
+            Err(e) => {
+                return Err(ApiError::Invalid {
+                    field: None,
+                    message: e.body_text(),
+                });
+            }
+        };
+        let (name, text) = params.into_iter().next().unwrap_or_default();
+        let field = match name.as_str() {
+            "pool" => "pool",
+            "queue" => "queue",
+            _ => "key",
+        };
+        Ok(KeyPath(LockKey::parse(field, &text)?))
     }
 }
 

@@ -33,11 +33,17 @@ pub struct AppState {
 /// Every route of the API, with the body limit, request metrics and panic catching.
 pub fn router(engine: Engine, max_body_bytes: usize) -> Router {
     let state = AppState { engine };
+    let job_body_limit = max_body_bytes + crate::domain::jobs::MAX_PAYLOAD_BYTES;
     Router::new()
         .merge(sessions::routes())
         .merge(locks::routes())
         .merge(pools::routes())
-        .merge(jobs::routes())
+        // A job's payload or result may itself be 64 KiB: its routes take that much more.
+        .merge(
+            jobs::routes()
+                .layer(DefaultBodyLimit::max(job_body_limit))
+                .layer(axum::Extension(BodyLimit(job_body_limit))),
+        )
         .merge(events::routes())
         .merge(admin::routes())
         .merge(probes::routes())

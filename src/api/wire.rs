@@ -148,7 +148,10 @@ impl From<Event> for AuditEvent {
             pool: e.pool,
             queue: e.queue,
             job_id: e.job_id.map(|j| j.to_string()),
-            detail: e.detail,
+            // A job failure's detail is already its reason.
+            detail: e
+                .detail
+                .filter(|_| e.kind != crate::domain::EventKind::JobFailed),
         }
     }
 }

@@ -68,7 +68,7 @@ pub enum EngineError {
     SessionGone,
     #[error("the lock is held by another session")]
     LockHeld,
-    #[error("the session does not hold this with this token")]
+    #[error("the session does not hold this lock or seat with this token")]
     NotHolder,
     #[error("no such pool")]
     PoolNotFound,
@@ -234,6 +234,7 @@ pub(crate) struct Shared {
     pub state: Mutex<State>,
     /// Owned by the writer; readers only count waiters. Locked after `state`, never before.
     pub waiters: Mutex<Waiters>,
+    pub draining: std::sync::atomic::AtomicBool,
     pub store: Store,
     pub clock: Arc<dyn Clock>,
     pub metrics: Arc<Metrics>,
@@ -265,11 +266,18 @@ impl Engine {
         let state = State::restore(config.limits, restore, clock.now())?;
         metrics.sessions_active.set(state.session_count() as i64);
         metrics.locks_held.set(state.lock_count() as i64);
+        for (pool, capacity, in_use) in state.pools() {
+            metrics.set_pool(pool.as_str(), Some((capacity, in_use)));
+        }
+        for (queue, counts) in state.queues() {
+            metrics.set_queue(queue.as_str(), counts);
+        }
         let (tx, rx) = crossbeam_channel::bounded(config.queue_capacity);
         let shared = Arc::new(Shared {
             config,
             state: Mutex::new(state),
             waiters: Mutex::new(Waiters::default()),
+            draining: std::sync::atomic::AtomicBool::new(false),
             store,
             clock,
             metrics,
@@ -313,9 +321,22 @@ impl Engine {
         &self.shared.metrics
     }
 
-    /// False once the store has failed (fail-stop) or the engine is stopping.
+    /// False once the store has failed (fail-stop), or from the start of a shutdown so that
+    /// load balancers stop sending while in-flight requests drain.
     pub fn ready(&self) -> bool {
-        !self.shared.store.failed() && self.threads.lock().writer.is_some()
+        !self.shared.store.failed()
+            && !self
+                .shared
+                .draining
+                .load(std::sync::atomic::Ordering::SeqCst)
+            && self.threads.lock().writer.is_some()
+    }
+
+    /// Marks the start of a shutdown: readiness turns false, requests are still served.
+    pub fn begin_drain(&self) {
+        self.shared
+            .draining
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     async fn call<T>(
@@ -610,10 +631,17 @@ impl Engine {
         capacity: u64,
         metadata: Option<String>,
     ) -> Result<PoolPut, EngineError> {
+        // A resize keeps when the pool was created, and its metadata unless new is given.
+        let existing = self.shared.store.pool(name.as_str())?;
+        let created_at = existing.as_ref().map(|p| p.created_at);
+        let metadata = metadata
+            .or_else(|| existing.map(|p| p.metadata))
+            .unwrap_or_default();
         self.call(|reply| Command::PutPool {
             name,
             capacity,
-            metadata: metadata.unwrap_or_default(),
+            metadata,
+            created_at,
             reply,
         })
         .await

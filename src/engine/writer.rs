@@ -58,6 +58,7 @@ pub enum Command {
         name: PoolName,
         capacity: u64,
         metadata: String,
+        created_at: Option<UnixMs>,
         reply: Reply<PoolPut>,
     },
     DeletePool {
@@ -253,7 +254,7 @@ impl Writer {
                 self.settle(&mut state, &mut waiters, at);
             }
             for (resource, w) in waiters.expire(at.now) {
-                time_out(&state, resource, w, at);
+                self.tally.seats_refused += u64::from(time_out(&state, resource, w, at));
             }
             self.shared.metrics.waiters.set(waiters.len() as i64);
             (
@@ -448,9 +449,9 @@ impl Writer {
                 name,
                 capacity,
                 metadata,
+                created_at,
                 reply,
             } => {
-                let created_at = None;
                 let r = state
                     .put_pool(&name, capacity, metadata, created_at, at, fx)
                     .map_err(EngineError::from);
@@ -509,9 +510,13 @@ impl Writer {
                 finish,
                 reply,
             } => {
+                let failed_by_worker = matches!(finish, Finish::Fail { .. });
                 let r = state
                     .finish_job(id, job, token, finish, at, fx)
                     .map_err(job_error);
+                if failed_by_worker && r.is_ok() {
+                    self.tally.jobs_failed.push("worker".into());
+                }
                 pend(pending, reply, r);
             }
             Command::Requeue { job, reply } => {
@@ -676,7 +681,7 @@ impl Writer {
                 continue; // the client gave up; the next in line is served
             }
             if w.deadline <= at.now {
-                time_out(state, resource.clone(), w, at);
+                self.tally.seats_refused += u64::from(time_out(state, resource.clone(), w, at));
                 continue;
             }
             let Waiter {
@@ -751,11 +756,11 @@ impl Writer {
 }
 
 /// Answers a waiter whose time ran out: the lock is still held, the pool still full, the
-/// queue still empty — or its session is gone.
-fn time_out(state: &State, resource: Resource, w: Waiter, at: At) {
+/// queue still empty — or its session is gone. True when a seat request was refused.
+fn time_out(state: &State, resource: Resource, w: Waiter, at: At) -> bool {
     if state.session(w.session, at.now).is_none() {
         w.want.fail(EngineError::SessionGone);
-        return;
+        return false;
     }
     match (resource, w.want) {
         (Resource::Pool(pool), want @ Want::Seat { .. }) => {
@@ -763,11 +768,16 @@ fn time_out(state: &State, resource: Resource, w: Waiter, at: At) {
                 .pool(&pool)
                 .map_or((0, 0), |p| (p.capacity, p.holders.len()));
             want.fail(EngineError::PoolExhausted { capacity, in_use });
+            true
         }
         (_, Want::Claim(reply)) => {
             let _ = reply.send(Ok(None));
+            false
         }
-        (_, want) => want.fail(EngineError::LockHeld),
+        (_, want) => {
+            want.fail(EngineError::LockHeld);
+            false
+        }
     }
 }
 
