@@ -19,7 +19,7 @@ use crate::config::LogFormat;
 #[command(
     name = "leasehold",
     version,
-    about = "Sessions, fenced locks and a reaper in one binary"
+    about = "Sessions, fenced locks, seat pools and job leases in one binary"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -49,6 +49,20 @@ enum Command {
         server: ServerArg,
         #[command(subcommand)]
         action: LocksAction,
+    },
+    /// Inspect, create, resize or delete seat pools on a running server.
+    Pools {
+        #[command(flatten)]
+        server: ServerArg,
+        #[command(subcommand)]
+        action: PoolsAction,
+    },
+    /// Inspect jobs and queues, list dead letters, requeue failed jobs.
+    Jobs {
+        #[command(flatten)]
+        server: ServerArg,
+        #[command(subcommand)]
+        action: JobsAction,
     },
     /// Print the audit log.
     Events {
@@ -113,6 +127,38 @@ enum LocksAction {
     },
     /// Show who holds a lock.
     Show { key: String },
+}
+
+#[derive(Subcommand)]
+enum PoolsAction {
+    /// List pools with their use.
+    List,
+    /// Show a pool and every seat holder.
+    Show { pool: String },
+    /// Create a pool or change its capacity.
+    Put {
+        pool: String,
+        #[arg(long)]
+        capacity: u64,
+    },
+    /// Delete an empty pool.
+    Delete { pool: String },
+}
+
+#[derive(Subcommand)]
+enum JobsAction {
+    /// Show one job.
+    Show { id: String },
+    /// Show a queue's counts by state.
+    Queue { queue: String },
+    /// List a queue's failed jobs (dead letters).
+    Failed {
+        queue: String,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Send a failed job back to its queue (audited).
+    Requeue { id: String },
 }
 
 /// Every setting of `serve`, as a flag and a `LEASEHOLD_*` variable; unset ones fall back to
@@ -233,6 +279,10 @@ pub fn run(cli: Cli) -> ExitCode {
             limit,
             follow,
         } => remote::block_on(remote::events(&server.server, after, limit, follow)),
+        Command::Pools { server, action } => {
+            remote::block_on(remote::pools(&server.server, action))
+        }
+        Command::Jobs { server, action } => remote::block_on(remote::jobs(&server.server, action)),
         Command::Bench(args) => bench::run(args),
         Command::Reap { server, dry_run } => {
             remote::block_on(remote::reap(&server.server, dry_run))

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::{LocksAction, SessionsAction};
+use super::{JobsAction, LocksAction, PoolsAction, SessionsAction};
 use crate::client::{Client, ClientError, Reply, segment};
 
 pub fn block_on(fut: impl Future<Output = Result<(), ClientError>>) -> ExitCode {
@@ -84,6 +84,58 @@ pub async fn locks(server: &str, action: LocksAction) -> Result<(), ClientError>
         LocksAction::Show { key } => {
             print(client.get(&format!("/v1/locks/{}", segment(&key))).await?)
         }
+    }
+}
+
+pub async fn pools(server: &str, action: PoolsAction) -> Result<(), ClientError> {
+    let client = Client::new(server)?;
+    match action {
+        PoolsAction::List => print(client.get("/v1/pools").await?),
+        PoolsAction::Show { pool } => {
+            print(client.get(&format!("/v1/pools/{}", segment(&pool))).await?)
+        }
+        PoolsAction::Put { pool, capacity } => print(
+            client
+                .call(
+                    hyper::Method::PUT,
+                    &format!("/v1/pools/{}", segment(&pool)),
+                    Some(&json!({ "capacity": capacity })),
+                )
+                .await?,
+        ),
+        PoolsAction::Delete { pool } => print(
+            client
+                .delete(&format!("/v1/pools/{}", segment(&pool)))
+                .await?,
+        ),
+    }
+}
+
+pub async fn jobs(server: &str, action: JobsAction) -> Result<(), ClientError> {
+    let client = Client::new(server)?;
+    match action {
+        JobsAction::Show { id } => print(client.get(&format!("/v1/jobs/{}", segment(&id))).await?),
+        JobsAction::Queue { queue } => print(
+            client
+                .get(&format!("/v1/queues/{}", segment(&queue)))
+                .await?,
+        ),
+        JobsAction::Failed { queue, limit } => print(
+            client
+                .get(&format!(
+                    "/v1/queues/{}/jobs?state=failed&limit={limit}",
+                    segment(&queue)
+                ))
+                .await?,
+        ),
+        JobsAction::Requeue { id } => print(
+            client
+                .post(
+                    &format!("/v1/admin/jobs/{}/requeue", segment(&id)),
+                    &json!({}),
+                )
+                .await?,
+        ),
     }
 }
 
