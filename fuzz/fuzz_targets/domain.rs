@@ -5,8 +5,8 @@
 
 use arbitrary::Arbitrary;
 use leasehold::domain::{
-    At, EndReason, Effects, Finish, JobId, Limits, LockKey, Mono, NewJob, SessionId, State,
-    Token, UnixMs,
+    At, Effects, EndReason, Finish, JobId, Limits, LockKey, Mono, NewJob, SessionId, State, Token,
+    UnixMs,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -56,7 +56,14 @@ fuzz_target!(|ops: Vec<Op>| {
             Op::Open { ttl } => {
                 let id = SessionId::random();
                 if state
-                    .open(id, "f".into(), Some(u64::from(ttl) * 10), String::new(), at, &mut fx)
+                    .open(
+                        id,
+                        "f".into(),
+                        Some(u64::from(ttl) * 10),
+                        String::new(),
+                        at,
+                        &mut fx,
+                    )
                     .is_ok()
                 {
                     sessions.push(id);
@@ -69,7 +76,11 @@ fuzz_target!(|ops: Vec<Op>| {
             }
             Op::End { s, admin } => {
                 if let Some(id) = nth(&sessions, s) {
-                    let reason = if admin { EndReason::Admin } else { EndReason::Closed };
+                    let reason = if admin {
+                        EndReason::Admin
+                    } else {
+                        EndReason::Closed
+                    };
                     let _ = state.end(id, reason, at, &mut fx);
                 }
             }
@@ -84,7 +95,14 @@ fuzz_target!(|ops: Vec<Op>| {
                 }
             }
             Op::PutPool { p, capacity } => {
-                let _ = state.put_pool(&name("p", p), u64::from(capacity % 4), String::new(), None, at, &mut fx);
+                let _ = state.put_pool(
+                    &name("p", p),
+                    u64::from(capacity % 4),
+                    String::new(),
+                    None,
+                    at,
+                    &mut fx,
+                );
             }
             Op::DeletePool { p } => {
                 let _ = state.delete_pool(&name("p", p), at, &mut fx);
@@ -120,7 +138,9 @@ fuzz_target!(|ops: Vec<Op>| {
             Op::Finish { s, j, t, how } => {
                 if let (Some(id), Some(jid)) = (nth(&sessions, s), nth(&jobs, j)) {
                     let finish = match how % 3 {
-                        0 => Finish::Complete { result: String::new() },
+                        0 => Finish::Complete {
+                            result: String::new(),
+                        },
                         1 => Finish::Fail { reason: "f".into() },
                         _ => Finish::Release,
                     };
