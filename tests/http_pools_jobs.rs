@@ -2409,7 +2409,6 @@ async fn finished_jobs_are_purged_after_their_retention() {
 }
 
 #[tokio::test]
-#[ignore = "BUG: purging finished jobs does not update leasehold_jobs{queue,state}: the done/failed gauges keep counting purged jobs (src/engine/writer.rs Writer::process touches queues only for Change::PutJob, not Change::DeleteJob)"]
 async fn purged_jobs_leave_the_job_gauges() {
     let s = TestServer::start_with(|c| c.job_retention_ms = 10_000).await;
     let w = s.open("w", 600_000).await;

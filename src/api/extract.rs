@@ -185,6 +185,19 @@ pub fn session_id(text: &str) -> Result<SessionId, ApiError> {
     Ok(SessionId::parse("session_id", text)?)
 }
 
+/// Page sizes: a missing limit takes `default`; above `max` is an error, not a silent cap.
+pub fn page_limit(limit: Option<usize>, default: usize, max: usize) -> Result<usize, ApiError> {
+    match limit {
+        None => Ok(default),
+        Some(0) => Err(ApiError::invalid("limit", "limit must be at least 1")),
+        Some(n) if n > max => Err(ApiError::invalid(
+            "limit",
+            format!("limit must be at most {max}"),
+        )),
+        Some(n) => Ok(n),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,18 +225,5 @@ mod tests {
         assert!(json::<T>(b"{\"a\":1}  ").is_ok());
         assert!(json::<T>(b"{\"a\":1} x").is_err());
         assert!(json::<T>(b"{\"a\":1}{\"a\":2}").is_err());
-    }
-}
-
-/// Page sizes: a missing limit takes `default`; above `max` is an error, not a silent cap.
-pub fn page_limit(limit: Option<usize>, default: usize, max: usize) -> Result<usize, ApiError> {
-    match limit {
-        None => Ok(default),
-        Some(0) => Err(ApiError::invalid("limit", "limit must be at least 1")),
-        Some(n) if n > max => Err(ApiError::invalid(
-            "limit",
-            format!("limit must be at most {max}"),
-        )),
-        Some(n) => Ok(n),
     }
 }

@@ -255,6 +255,7 @@ pub enum Change {
     /// Purges a finished job, payload and all.
     DeleteJob {
         id: JobId,
+        queue: LockKey,
     },
     Event(Event),
 }

@@ -565,7 +565,10 @@ impl State {
                     self.queues.remove(&job.queue);
                 }
             }
-            fx.changes.push(Change::DeleteJob { id });
+            fx.changes.push(Change::DeleteJob {
+                id,
+                queue: job.queue.clone(),
+            });
             purged += 1;
         }
         purged

@@ -214,8 +214,10 @@ impl State {
                     in_use: pool.holders.len(),
                 });
             }
-            // Room was made inline; this caller takes it, not the waiters.
-            fx.freed_pools.retain(|p| p != pool_name);
+            // Room was made inline; this caller takes one seat of it, the waiters the rest.
+            if let Some(pos) = fx.freed_pools.iter().position(|p| p == pool_name) {
+                fx.freed_pools.remove(pos);
+            }
         }
         let revision = self.next_revision();
         let token = Token(revision);

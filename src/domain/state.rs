@@ -541,14 +541,15 @@ impl State {
             if self.live_or_end(holder, at, fx).is_ok() {
                 return Err(AcquireError::Held { holder, token });
             }
-            // The expired holder was ended inline; the key is free now. It is not offered to
-            // waiters: this caller takes it in the same change set.
-            fx.freed_locks.retain(|k| k != key);
         }
         let held = self.sessions[&id].locks.len();
         if held >= self.limits.max_locks_per_session {
+            // An expired holder ended above leaves the key free, announced to its waiters.
             return Err(AcquireError::TooManyLocks(held));
         }
+        // If an expired holder was ended inline, the key is not offered to waiters: this
+        // caller takes it in the same change set.
+        fx.freed_locks.retain(|k| k != key);
         let revision = self.next_revision();
         let token = Token(revision);
         self.sessions

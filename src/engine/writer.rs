@@ -316,6 +316,9 @@ impl Writer {
                         self.touched_queues.insert(q);
                     }
                 }
+                Change::DeleteJob { queue, .. } => {
+                    self.touched_queues.insert(queue.clone());
+                }
                 _ => {}
             }
         }

@@ -1025,7 +1025,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                         .map_err(StoreError::redb)?;
                 }
             }
-            Change::DeleteJob { id } => {
+            Change::DeleteJob { id, .. } => {
                 let id = id.as_u128();
                 let old = jobs
                     .remove(id)
