@@ -415,3 +415,35 @@ async fn check_accepts_the_data_directory_after_a_shutdown() {
     let (code, out) = check(empty.path());
     assert_ne!(code, Some(0), "check passed an empty directory:\n{out}");
 }
+
+/// A shutdown used to wait out every long poll: a client waiting 30 s for a lock held the
+/// drain until the grace period ran out and then lost its connection. Waiters are answered
+/// `503 shutting_down` at once instead, and the drain finishes promptly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_waiters_at_once() {
+    let s = TestServer::start_real(|c| c.shutdown_grace_ms = 20_000).await;
+    let a = s.open("holder", 60_000).await;
+    let b = s.open("waiter", 60_000).await;
+    assert_eq!(s.acquire("k", &a).await.status, 200);
+    let client = s.client.clone();
+    let waiting = tokio::spawn(async move {
+        client
+            .post(
+                "/v1/locks/k/acquire",
+                &serde_json::json!({"session_id": b, "wait_ms": 30_000}),
+            )
+            .await
+    });
+    // Let the waiter reach the writer's queue.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    s.stop().await;
+    let reply = waiting.await.unwrap().expect("the waiter gets an answer");
+    assert_eq!(reply.status, 503, "{}", reply.text);
+    assert_eq!(reply.body["error"], "shutting_down");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "the drain waited {:?}",
+        started.elapsed()
+    );
+}

@@ -332,11 +332,13 @@ impl Engine {
             && self.threads.lock().writer.is_some()
     }
 
-    /// Marks the start of a shutdown: readiness turns false, requests are still served.
+    /// Marks the start of a shutdown: readiness turns false and requests waiting for a lock,
+    /// a seat or a job are answered `503 shutting_down` at once; others are still served.
     pub fn begin_drain(&self) {
         self.shared
             .draining
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.tx.try_send(Command::Drain);
     }
 
     async fn call<T>(

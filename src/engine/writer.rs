@@ -104,6 +104,8 @@ pub enum Command {
         limit: usize,
         reply: Reply<ReapOutcome>,
     },
+    /// Answer every waiter `ShuttingDown` now, so a drain does not wait out long polls.
+    Drain,
     /// Finish what is queued before this, then exit.
     Stop,
 }
@@ -380,6 +382,15 @@ impl Writer {
     }
 
     fn apply(&mut self, state: &mut State, waiters: &mut Waiters, cmd: Command, at: At) {
+        // While draining for shutdown nobody starts to wait: requests are answered at once.
+        let may_wait = |d: Option<Mono>| {
+            d.filter(|_| {
+                !self
+                    .shared
+                    .draining
+                    .load(std::sync::atomic::Ordering::SeqCst)
+            })
+        };
         let fx = &mut self.fx;
         let pending = &mut self.pending;
         match cmd {
@@ -435,7 +446,10 @@ impl Writer {
                 key,
                 deadline,
                 reply,
-            } => self.acquire(state, waiters, id, key, deadline, reply, at),
+            } => {
+                let deadline = may_wait(deadline);
+                self.acquire(state, waiters, id, key, deadline, reply, at)
+            }
             Command::Release {
                 id,
                 key,
@@ -475,7 +489,10 @@ impl Writer {
                 metadata,
                 deadline,
                 reply,
-            } => self.acquire_seat(state, waiters, (id, pool, metadata), deadline, reply, at),
+            } => {
+                let deadline = may_wait(deadline);
+                self.acquire_seat(state, waiters, (id, pool, metadata), deadline, reply, at)
+            }
             Command::ReleaseSeat {
                 id,
                 pool,
@@ -498,7 +515,7 @@ impl Writer {
                 reply,
             } => match state.claim(id, &queue, at, fx) {
                 Ok(Some(c)) => pend(pending, reply, Ok(Some(claimed(c)))),
-                Ok(None) => match deadline {
+                Ok(None) => match may_wait(deadline) {
                     Some(d) if d > at.now => {
                         waiters.push(Resource::Queue(queue), id, d, Want::Claim(reply))
                     }
@@ -547,6 +564,11 @@ impl Writer {
                 state.purge_jobs(before, self.shared.config.reaper_batch, fx);
                 self.trim_events = true;
                 pend(pending, reply, Ok(outcome));
+            }
+            Command::Drain => {
+                for w in waiters.drain() {
+                    w.want.fail(EngineError::ShuttingDown);
+                }
             }
             Command::Stop => {}
         }
@@ -853,6 +875,6 @@ fn refuse(cmd: Command, e: EngineError) {
         Command::PutPool { reply, .. } => no(reply, e),
         Command::Claim { reply, .. } => no(reply, e),
         Command::Reap { reply, .. } => no(reply, e),
-        Command::Stop => {}
+        Command::Drain | Command::Stop => {}
     }
 }
