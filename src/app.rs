@@ -106,6 +106,8 @@ impl App {
     /// Waits until the server task ends (it ends only through `shutdown`).
     pub async fn serve_until(mut self, signal: impl std::future::Future<Output = ()>) {
         signal.await;
+        // Not ready any more, and waiters answered, before the listener closes.
+        self.engine.begin_drain();
         tracing::info!("shutting down: draining in-flight requests");
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());

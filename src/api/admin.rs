@@ -102,7 +102,7 @@ async fn reap(
     if req.dry_run {
         let sessions = app
             .engine
-            .reap_dry_run(DRY_RUN_LIMIT)
+            .reap_dry_run(DRY_RUN_LIMIT)?
             .into_iter()
             .map(|d| DueSession {
                 session_id: d.id.to_string(),

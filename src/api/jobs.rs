@@ -299,16 +299,19 @@ struct QueueResponse {
     waiting: usize,
 }
 
-async fn queue(State(app): State<AppState>, KeyPath(queue): KeyPath) -> Json<QueueResponse> {
-    let info = app.engine.queue(&queue);
-    Json(QueueResponse {
+async fn queue(
+    State(app): State<AppState>,
+    KeyPath(queue): KeyPath,
+) -> Result<Json<QueueResponse>, ApiError> {
+    let info = app.engine.queue(&queue)?;
+    Ok(Json(QueueResponse {
         queue: queue.to_string(),
         queued: info.counts.queued,
         claimed: info.counts.claimed,
         done: info.counts.done,
         failed: info.counts.failed,
         waiting: info.waiting,
-    })
+    }))
 }
 
 #[derive(Deserialize)]

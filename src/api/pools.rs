@@ -132,11 +132,11 @@ struct ListResponse {
     pools: Vec<PoolSummary>,
 }
 
-async fn list(State(app): State<AppState>) -> Json<ListResponse> {
-    Json(ListResponse {
+async fn list(State(app): State<AppState>) -> Result<Json<ListResponse>, ApiError> {
+    Ok(Json(ListResponse {
         pools: app
             .engine
-            .pools()
+            .pools()?
             .into_iter()
             .map(|(pool, capacity, in_use)| PoolSummary {
                 pool,
@@ -144,7 +144,7 @@ async fn list(State(app): State<AppState>) -> Json<ListResponse> {
                 in_use,
             })
             .collect(),
-    })
+    }))
 }
 
 #[derive(Serialize)]

@@ -23,13 +23,20 @@ pub fn block_on(fut: impl Future<Output = Result<(), ClientError>>) -> ExitCode 
     }
 }
 
+/// Writes one line to stdout. A closed pipe (`leasehold events | head`) ends the command
+/// quietly, as it does for other Unix tools, instead of panicking.
+fn out(line: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if writeln!(stdout, "{line}").is_err() {
+        std::process::exit(0);
+    }
+}
+
 /// Prints a reply: pretty JSON on success, the error on stderr (and exit status 1).
 fn print(reply: Reply) -> Result<(), ClientError> {
     if reply.status.is_success() {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&reply.body).unwrap_or(reply.text)
-        );
+        out(&serde_json::to_string_pretty(&reply.body).unwrap_or(reply.text));
         Ok(())
     } else {
         let code = reply.body["error"].as_str().unwrap_or("error");
@@ -156,7 +163,7 @@ pub async fn events(
         }
         let events = reply.body["events"].as_array().cloned().unwrap_or_default();
         for e in &events {
-            println!("{e}");
+            out(&e.to_string());
         }
         after = reply.body["next"].as_u64().unwrap_or(after);
         if !follow {

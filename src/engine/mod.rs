@@ -86,7 +86,9 @@ pub enum EngineError {
     TooManyLocks(usize),
     #[error(transparent)]
     Invalid(#[from] InvalidInput),
-    #[error("the store failed; writes are refused until the server restarts")]
+    #[error(
+        "the store failed; writes, and reads of what lives in memory, are refused until the server restarts"
+    )]
     StoreFailed,
     #[error("the server is overloaded: {0} requests are queued for the writer")]
     Overloaded(usize),
@@ -476,11 +478,12 @@ impl Engine {
     }
 
     /// What a reap now would end, changing nothing.
-    pub fn reap_dry_run(&self, limit: usize) -> Vec<DueSession> {
+    pub fn reap_dry_run(&self, limit: usize) -> Result<Vec<DueSession>, EngineError> {
+        self.vouch_for_liveness()?;
         let now = self.shared.clock.now();
         let wall = self.shared.clock.wall();
         let state = self.shared.state.lock();
-        state
+        Ok(state
             .due(now, limit)
             .into_iter()
             .map(|v| DueSession {
@@ -498,7 +501,7 @@ impl Engine {
                     .filter_map(|j| state.job_outcome_if_ended(*j).map(|o| (*j, o)))
                     .collect(),
             })
-            .collect()
+            .collect())
     }
 
     fn live(&self, id: SessionId, now: Mono) -> Option<SessionView> {
@@ -798,28 +801,31 @@ impl Engine {
     }
 
     /// Every pool: name, capacity, seats in use.
-    pub fn pools(&self) -> Vec<(String, u32, usize)> {
-        self.shared
+    pub fn pools(&self) -> Result<Vec<(String, u32, usize)>, EngineError> {
+        self.vouch_for_liveness()?;
+        Ok(self
+            .shared
             .state
             .lock()
             .pools()
             .into_iter()
             .map(|(n, c, u)| (n.to_string(), c, u))
-            .collect()
+            .collect())
     }
 
     pub fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>, EngineError> {
         Ok(self.shared.store.job(id)?)
     }
 
-    pub fn queue(&self, name: &QueueName) -> QueueInfo {
+    pub fn queue(&self, name: &QueueName) -> Result<QueueInfo, EngineError> {
+        self.vouch_for_liveness()?;
         let counts = self.shared.state.lock().queue_counts(name);
         let waiting = self
             .shared
             .waiters
             .lock()
             .waiting(&Resource::Queue(name.clone()));
-        QueueInfo { counts, waiting }
+        Ok(QueueInfo { counts, waiting })
     }
 
     /// Jobs of a queue in one state, a page at a time, and the cursor of the next page.
