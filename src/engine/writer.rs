@@ -448,7 +448,7 @@ impl Writer {
                 reply,
             } => {
                 let deadline = may_wait(deadline);
-                self.acquire(state, waiters, id, key, deadline, reply, at)
+                self.acquire(state, waiters, (id, key), deadline, reply, at)
             }
             Command::Release {
                 id,
@@ -576,13 +576,11 @@ impl Writer {
 
     /// A lock request. When others already wait for the key, a newcomer goes behind them:
     /// an expired holder is ended and the first waiters served before it is considered.
-    #[allow(clippy::too_many_arguments)]
     fn acquire(
         &mut self,
         state: &mut State,
         waiters: &mut Waiters,
-        id: SessionId,
-        key: LockKey,
+        (id, key): (SessionId, LockKey),
         deadline: Option<Mono>,
         reply: Reply<Granted>,
         at: At,
