@@ -104,3 +104,68 @@ fn check_of_a_missing_data_file_says_so() {
     assert_eq!(code, 2);
     assert!(err.contains("no data file"), "{err}");
 }
+
+/// Every `leasehold bench` workload, briefly, against a real server: the load generator is
+/// part of the product, and a workload that errors or measures nothing must fail here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bench_workload_runs_and_reports() {
+    let s = TestServer::start_real(|c| {
+        c.reaper_enabled = true;
+        c.reaper_interval_ms = 50;
+    })
+    .await;
+    let url = s.url();
+    for workload in [
+        "lock-churn",
+        "session-churn",
+        "heartbeat",
+        "seat-churn",
+        "job-churn",
+        "mass-expiry",
+    ] {
+        let args: Vec<String> = [
+            "bench",
+            "--server",
+            &url,
+            "--workload",
+            workload,
+            "--clients",
+            "4",
+            "--warmup",
+            "0.2",
+            "--duration",
+            "1",
+            "--sessions",
+            "200",
+            "--keys",
+            "50",
+            "--ttl-ms",
+            "1000",
+            "--json",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        let (code, out, err) = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            leasehold(&args)
+        })
+        .await
+        .unwrap();
+        assert_eq!(code, 0, "{workload}: {err}");
+        let report: serde_json::Value = serde_json::from_str(out.trim())
+            .unwrap_or_else(|e| panic!("{workload}: not one JSON line ({e}): {out}"));
+        assert_eq!(report["workload"], workload);
+        assert_eq!(report["errors"], 0, "{workload}: {out}");
+        assert!(report["ops"].as_u64().unwrap() > 0, "{workload}: {out}");
+        assert!(report["p99_us"].as_u64().unwrap() >= report["p50_us"].as_u64().unwrap());
+        for field in ["clients", "seconds", "ops_per_s", "p50_us", "p999_us"] {
+            assert!(report.get(field).is_some(), "{workload}: no {field}: {out}");
+        }
+        if workload == "mass-expiry" {
+            assert_eq!(report["sessions"], 200, "{out}");
+            assert!(report["free_after_ms"].is_u64(), "{out}");
+        }
+    }
+    s.stop().await;
+}
