@@ -11,7 +11,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::TestServer;
+use common::{TestServer, all_events, assert_error, assert_invalid, of_kind, random_id, session};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::{Method, Request};
@@ -100,42 +100,6 @@ fn token(r: &Reply) -> u64 {
         .unwrap_or_else(|| panic!("no token in {}", r.text))
 }
 
-fn assert_error(r: &Reply, status: u16, code: &str) {
-    assert_eq!(r.status, status, "{}", r.text);
-    assert_eq!(r.body["error"], code, "{}", r.text);
-    assert!(
-        r.body["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "an error carries a message: {}",
-        r.text
-    );
-}
-
-/// A 400 `invalid_request` whose `field` names `field`.
-fn assert_invalid(r: &Reply, field: &str) {
-    assert_error(r, 400, "invalid_request");
-    assert_eq!(r.body["field"], field, "{}", r.text);
-}
-
-/// Every audit event, read page by page.
-async fn all_events(s: &TestServer) -> Vec<Value> {
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let r = s.get(&format!("/v1/events?after={after}&limit=1000")).await;
-        assert_eq!(r.status, 200, "{}", r.text);
-        let page = r.body["events"].as_array().unwrap().clone();
-        if page.is_empty() {
-            return out;
-        }
-        after = r.body["next"].as_u64().unwrap();
-        out.extend(page);
-    }
-}
-
-fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    events.iter().filter(|e| e["kind"] == kind).collect()
-}
-
 /// The value of one series in `/metrics`, e.g. `leasehold_sessions_ended_total{reason="expired"}`.
 async fn metric(s: &TestServer, series: &str) -> Option<f64> {
     let r = s.get("/metrics").await;
@@ -170,14 +134,6 @@ async fn fence(s: &TestServer, key: &str, t: u64) -> Reply {
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
     r
-}
-
-async fn session(s: &TestServer, id: &str) -> Reply {
-    s.get(&format!("/v1/sessions/{id}")).await
-}
-
-fn random_id() -> String {
-    uuid::Uuid::new_v4().to_string()
 }
 
 fn addr(s: &TestServer) -> SocketAddr {

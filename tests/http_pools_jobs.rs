@@ -10,7 +10,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::TestServer;
+use common::{TestServer, all_events, assert_error, assert_invalid, of_kind, random_id, session};
 use leasehold::client::{Reply, segment};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
@@ -22,22 +22,6 @@ const BASE: u64 = 1_700_000_000_000;
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-fn assert_error(r: &Reply, status: u16, code: &str) {
-    assert_eq!(r.status, status, "{}", r.text);
-    assert_eq!(r.body["error"], code, "{}", r.text);
-    assert!(
-        r.body["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "an error carries a message: {}",
-        r.text
-    );
-}
-
-/// A 400 `invalid_request` whose `field` names `field`.
-fn assert_invalid(r: &Reply, field: &str) {
-    assert_error(r, 400, "invalid_request");
-    assert_eq!(r.body["field"], field, "{}", r.text);
-}
-
 /// A 400 `invalid_request` whose message mentions `word` (for serde's own errors).
 fn assert_invalid_mentions(r: &Reply, word: &str) {
     assert_error(r, 400, "invalid_request");
@@ -46,26 +30,6 @@ fn assert_invalid_mentions(r: &Reply, word: &str) {
         "the message should name {word:?}: {}",
         r.text
     );
-}
-
-/// Every audit event, read page by page.
-async fn all_events(s: &TestServer) -> Vec<Value> {
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let r = s.get(&format!("/v1/events?after={after}&limit=1000")).await;
-        assert_eq!(r.status, 200, "{}", r.text);
-        let page = r.body["events"].as_array().unwrap().clone();
-        if page.is_empty() {
-            return out;
-        }
-        after = r.body["next"].as_u64().unwrap();
-        out.extend(page);
-    }
-}
-
-fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    events.iter().filter(|e| e["kind"] == kind).collect()
 }
 
 fn kinds(events: &[Value]) -> Vec<String> {
@@ -202,10 +166,6 @@ async fn admin_end(s: &TestServer, session: &str) -> Reply {
     r
 }
 
-async fn session(s: &TestServer, id: &str) -> Reply {
-    s.get(&format!("/v1/sessions/{id}")).await
-}
-
 async fn enqueue_with(s: &TestServer, queue: &str, body: Value) -> Reply {
     s.post(&format!("/v1/queues/{}/jobs", segment(queue)), body)
         .await
@@ -303,10 +263,6 @@ async fn list_query(s: &TestServer, query: &str) -> Reply {
 async fn requeue(s: &TestServer, job: &str) -> Reply {
     s.post(&format!("/v1/admin/jobs/{job}/requeue"), json!({}))
         .await
-}
-
-fn random_id() -> String {
-    uuid::Uuid::new_v4().to_string()
 }
 
 // ---------------------------------------------------------------------------------------------

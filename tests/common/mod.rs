@@ -163,3 +163,49 @@ impl TestServer {
         self.post("/v1/admin/reap", json!({"dry_run": false})).await
     }
 }
+
+// Helpers the HTTP suites share.
+
+pub fn assert_error(r: &Reply, status: u16, code: &str) {
+    assert_eq!(r.status, status, "{}", r.text);
+    assert_eq!(r.body["error"], code, "{}", r.text);
+    assert!(
+        r.body["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "an error carries a message: {}",
+        r.text
+    );
+}
+
+/// A 400 `invalid_request` whose `field` names `field`.
+pub fn assert_invalid(r: &Reply, field: &str) {
+    assert_error(r, 400, "invalid_request");
+    assert_eq!(r.body["field"], field, "{}", r.text);
+}
+
+/// Every audit event, read page by page.
+pub async fn all_events(s: &TestServer) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        let r = s.get(&format!("/v1/events?after={after}&limit=1000")).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let page = r.body["events"].as_array().unwrap().clone();
+        if page.is_empty() {
+            return out;
+        }
+        after = r.body["next"].as_u64().unwrap();
+        out.extend(page);
+    }
+}
+
+pub fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    events.iter().filter(|e| e["kind"] == kind).collect()
+}
+
+pub async fn session(s: &TestServer, id: &str) -> Reply {
+    s.get(&format!("/v1/sessions/{id}")).await
+}
+
+pub fn random_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
