@@ -904,6 +904,70 @@ fn reaper(c: &mut Criterion) {
     );
 }
 
+// ---------------------------------------------------------------------------------------
+// startup
+
+/// `startup/N`: what a restart costs before the server can answer — opening the store and
+/// rebuilding the in-memory state (sessions, locks, expiry index) of N live sessions that
+/// each hold a lock. The store is filled once through the engine, outside the timing; each
+/// iteration opens it anew, and shuts the engine down outside the timing.
+fn startup_sizes() -> Vec<usize> {
+    if cfg!(debug_assertions) {
+        // The unoptimised test run only checks that the path works.
+        vec![1_000]
+    } else if std::env::args().any(|a| a == "--test") {
+        // Criterion's test mode runs each once: filling a million would dominate it.
+        vec![100_000]
+    } else {
+        vec![100_000, 1_000_000]
+    }
+}
+
+fn startup(c: &mut Criterion) {
+    let rt = runtime();
+    let mut group = c.benchmark_group("startup");
+    group.sample_size(10).sampling_mode(SamplingMode::Flat);
+    let config = EngineConfig {
+        reaper_enabled: false,
+        ..EngineConfig::default()
+    };
+    let start = |dir: &TempDir| {
+        let store = Store::open(dir.path(), CACHE_BYTES).expect("open the store");
+        Engine::start(
+            config.clone(),
+            store,
+            Arc::new(SystemClock::new()),
+            Arc::new(Metrics::new()),
+        )
+        .expect("start engine")
+    };
+    for n in startup_sizes() {
+        let dir = bench_dir();
+        let engine = start(&dir);
+        let holds = Holds {
+            lock_prefix: Some("startup"),
+            ..Holds::default()
+        };
+        open_sessions(&rt, &engine, n, LONG_TTL_MS, holds);
+        engine.shutdown();
+        drop(engine);
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let began = Instant::now();
+                    let engine = black_box(start(&dir));
+                    timed += began.elapsed();
+                    engine.shutdown();
+                }
+                timed
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = domain_suite;
     config = config();
@@ -924,4 +988,15 @@ criterion_group! {
     config = config();
     targets = reaper
 }
-criterion_main!(domain_suite, store_suite, engine_suite, reaper_suite);
+criterion_group! {
+    name = startup_suite;
+    config = config();
+    targets = startup
+}
+criterion_main!(
+    domain_suite,
+    store_suite,
+    engine_suite,
+    reaper_suite,
+    startup_suite
+);
