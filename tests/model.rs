@@ -2347,7 +2347,7 @@ impl Harness {
         let mut claimants = BTreeMap::new();
         for (id, s) in &model.sessions {
             let live = now.0 < s.deadline;
-            assert_eq!(state.can_beat_in_memory(*id, now), live, "{id} beats");
+            assert_eq!(state.is_live(*id, now), live, "{id} beats");
             let view = if live {
                 state.session(*id, now)
             } else {

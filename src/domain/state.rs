@@ -398,9 +398,10 @@ impl State {
         })
     }
 
-    /// Whether a heartbeat of `id` at `now` would succeed without touching anything durable:
-    /// the engine answers such heartbeats without the writer.
-    pub fn can_beat_in_memory(&self, id: SessionId, now: Mono) -> bool {
+    /// Whether `id` is a live session at `now`. Cheaper than `session` (no view is built),
+    /// for the paths that only ask: a heartbeat the engine may answer without the writer, a
+    /// fence check, a waiter's fate.
+    pub fn is_live(&self, id: SessionId, now: Mono) -> bool {
         self.sessions.get(&id).is_some_and(|s| !s.expired(now))
     }
 
@@ -877,8 +878,8 @@ mod tests {
             state.heartbeat(id, Some(1), at(700), &mut fx),
             Err(HeartbeatError::Invalid(_))
         ));
-        assert!(state.can_beat_in_memory(id, Mono(700)));
-        assert!(!state.can_beat_in_memory(id, Mono(5_600)));
+        assert!(state.is_live(id, Mono(700)));
+        assert!(!state.is_live(id, Mono(5_600)));
         state.check_invariants().unwrap();
     }
 

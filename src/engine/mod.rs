@@ -396,7 +396,7 @@ impl Engine {
             // A live session's plain heartbeat changes nothing durable: answer it here. Any
             // other (unknown, or past its deadline and so to be ended durably) goes through
             // the writer, so that "gone" is only ever said once it is on disk.
-            if state.can_beat_in_memory(id, at.now) {
+            if state.is_live(id, at.now) {
                 Some(state.heartbeat(id, None, at, &mut crate::domain::Effects::default()))
             } else {
                 None
@@ -504,10 +504,6 @@ impl Engine {
             .collect())
     }
 
-    fn live(&self, id: SessionId, now: Mono) -> Option<SessionView> {
-        self.shared.state.lock().session(id, now)
-    }
-
     fn info(
         &self,
         view: SessionView,
@@ -551,7 +547,7 @@ impl Engine {
         self.vouch_for_liveness()?;
         let now = self.shared.clock.now();
         let wall = self.shared.clock.wall();
-        let Some(view) = self.live(id, now) else {
+        let Some(view) = self.shared.state.lock().session(id, now) else {
             return Ok(None);
         };
         let Some(record) = self.shared.store.session(id)? else {
@@ -611,8 +607,10 @@ impl Engine {
             });
         };
         let live = self
-            .live(lock.session_id, self.shared.clock.now())
-            .is_some();
+            .shared
+            .state
+            .lock()
+            .is_live(lock.session_id, self.shared.clock.now());
         Ok(Fence {
             current: live && lock.token == token,
             latest: Some(lock.token),

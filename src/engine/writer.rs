@@ -587,9 +587,7 @@ impl Writer {
     ) {
         let line = Resource::Lock(key.clone());
         let queued_behind = |state: &State, waiters: &Waiters| {
-            waiters.waiting(&line) > 0
-                && state.session(id, at.now).is_some()
-                && !state.holds(id, &key)
+            waiters.waiting(&line) > 0 && state.is_live(id, at.now) && !state.holds(id, &key)
         };
         if queued_behind(state, waiters) {
             state.end_expired_holder(&key, at, &mut self.fx);
@@ -627,9 +625,7 @@ impl Writer {
     ) {
         let line = Resource::Pool(pool.clone());
         let queued_behind = |state: &State, waiters: &Waiters| {
-            waiters.waiting(&line) > 0
-                && state.session(id, at.now).is_some()
-                && !state.holds_seat(id, &pool)
+            waiters.waiting(&line) > 0 && state.is_live(id, at.now) && !state.holds_seat(id, &pool)
         };
         if queued_behind(state, waiters) {
             state.end_expired_seat_holders(&pool, at, &mut self.fx);
@@ -781,7 +777,7 @@ impl Writer {
 /// Answers a waiter whose time ran out: the lock is still held, the pool still full, the
 /// queue still empty — or its session is gone. True when a seat request was refused.
 fn time_out(state: &State, resource: Resource, w: Waiter, at: At) -> bool {
-    if state.session(w.session, at.now).is_none() {
+    if !state.is_live(w.session, at.now) {
         w.want.fail(EngineError::SessionGone);
         return false;
     }

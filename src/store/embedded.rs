@@ -87,6 +87,16 @@ impl StoreError {
     }
 }
 
+/// Decodes a record that a point lookup found, if it found one.
+fn decoded<T: serde::de::DeserializeOwned>(
+    found: Option<redb::AccessGuard<'_, &'static [u8]>>,
+    table: &'static str,
+) -> Result<Option<T>, StoreError> {
+    found
+        .map(|bytes| codec::decode(bytes.value()).map_err(corrupt(table)))
+        .transpose()
+}
+
 fn corrupt(table: &'static str) -> impl FnOnce(CodecError) -> StoreError {
     move |source| StoreError::Corrupt { table, source }
 }
@@ -315,12 +325,10 @@ impl Store {
     pub fn session(&self, id: SessionId) -> Result<Option<SessionRecord>, StoreError> {
         let txn = self.read()?;
         let table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
-        match table.get(id.as_u128()).map_err(StoreError::redb)? {
-            Some(bytes) => Ok(Some(
-                codec::decode(bytes.value()).map_err(corrupt("session"))?,
-            )),
-            None => Ok(None),
-        }
+        decoded(
+            table.get(id.as_u128()).map_err(StoreError::redb)?,
+            "session",
+        )
     }
 
     /// Sessions in id order after `after`, optionally only those of `owner`.
@@ -399,10 +407,7 @@ impl Store {
     pub fn lock(&self, key: &str) -> Result<Option<LockRecord>, StoreError> {
         let txn = self.read()?;
         let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        match table.get(key).map_err(StoreError::redb)? {
-            Some(bytes) => Ok(Some(codec::decode(bytes.value()).map_err(corrupt("lock"))?)),
-            None => Ok(None),
-        }
+        decoded(table.get(key).map_err(StoreError::redb)?, "lock")
     }
 
     /// Held locks in key order whose key starts with `prefix`, after the key `after`.
@@ -460,10 +465,7 @@ impl Store {
     pub fn pool(&self, name: &str) -> Result<Option<PoolRecord>, StoreError> {
         let txn = self.read()?;
         let table = txn.open_table(POOLS).map_err(StoreError::redb)?;
-        match table.get(name).map_err(StoreError::redb)? {
-            Some(b) => Ok(Some(codec::decode(b.value()).map_err(corrupt("pool"))?)),
-            None => Ok(None),
-        }
+        decoded(table.get(name).map_err(StoreError::redb)?, "pool")
     }
 
     /// Every seat of a pool, as committed, with the holder's session record.
@@ -482,10 +484,7 @@ impl Store {
             let (k, bytes) = row.map_err(StoreError::redb)?;
             let sid = k.value().1;
             let seat = codec::decode(bytes.value()).map_err(corrupt("seat"))?;
-            let session = match sessions.get(sid).map_err(StoreError::redb)? {
-                Some(b) => Some(codec::decode(b.value()).map_err(corrupt("session"))?),
-                None => None,
-            };
+            let session = decoded(sessions.get(sid).map_err(StoreError::redb)?, "session")?;
             out.push((SessionId::from_u128(sid), seat, session));
         }
         Ok(out)
