@@ -1,14 +1,19 @@
 //! The same workloads against Leasehold, Redis and PostgreSQL, measured by the same driver
 //! (`leasehold::loadgen`), so that their figures can be compared side by side.
 //!
-//! `compare TARGET WORKLOAD CLIENTS SECONDS` prints one JSON line, like `leasehold bench`.
-//! TARGET is `leasehold=URL`, `redis=URL` or `postgres=CONNINFO`; WORKLOAD is `lock-churn`
-//! or `heartbeat`. See `run.sh`, which starts the peers and writes the comparison.
+//! `compare TARGET lock-churn|heartbeat CLIENTS SECONDS` and
+//! `compare TARGET mass-expiry CLIENTS SESSIONS TTL_MS` print one JSON line, like
+//! `leasehold bench`. TARGET is `leasehold=URL`, `redis=URL` or `postgres=CONNINFO`. See
+//! `run.sh`, which starts the peers and writes the comparison.
+
+mod mass_expiry;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use leasehold::loadgen::{self, Options, Progress, Workload, drive, report};
+use redis::aio::MultiplexedConnection;
+use tokio_postgres::Statement;
 
 const KEYS: usize = 10_000;
 const SESSIONS: usize = 100_000;
@@ -64,32 +69,45 @@ fn options(workload: Workload, clients: usize, seconds: f64, server: &str) -> Op
     }
 }
 
+const USAGE: &str = "usage: compare leasehold=URL|redis=URL|postgres=CONNINFO WORKLOAD ...
+    WORKLOAD ...: lock-churn|heartbeat CLIENTS SECONDS, or mass-expiry CLIENTS SESSIONS TTL_MS";
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() != 5 {
-        eprintln!(
-            "usage: compare leasehold=URL|redis=URL|postgres=CONNINFO lock-churn|heartbeat CLIENTS SECONDS"
-        );
-        std::process::exit(2);
-    }
-    let (kind, target) = args[1].split_once('=').expect("TARGET is kind=address");
-    let workload = match args[2].as_str() {
-        "lock-churn" => Workload::LockChurn,
-        "heartbeat" => Workload::Heartbeat,
-        other => panic!("unknown workload {other}"),
+    let workload = match args.get(2).map(String::as_str) {
+        Some("lock-churn") if args.len() == 5 => Workload::LockChurn,
+        Some("heartbeat") if args.len() == 5 => Workload::Heartbeat,
+        Some("mass-expiry") if args.len() == 6 => Workload::MassExpiry,
+        _ => {
+            eprintln!("{USAGE}");
+            std::process::exit(2);
+        }
     };
+    let (kind, target) = args[1].split_once('=').expect("TARGET is kind=address");
     let clients: usize = args[3].parse().expect("CLIENTS is a number");
-    let seconds: f64 = args[4].parse().expect("SECONDS is a number");
     // The driver hands each task a Leasehold client; the peers' tasks ignore it.
-    let dummy = "http://127.0.0.1:9";
-    let r = match kind {
-        "leasehold" => loadgen::run(options(workload, clients, seconds, target))
-            .await
-            .expect("the Leasehold run"),
-        "redis" => redis_run(target, workload, options(workload, clients, seconds, dummy)).await,
-        "postgres" => pg_run(target, workload, options(workload, clients, seconds, dummy)).await,
-        other => panic!("unknown target {other}"),
+    let server = if kind == "leasehold" {
+        target
+    } else {
+        "http://127.0.0.1:9"
+    };
+    let opts = if workload == Workload::MassExpiry {
+        let mut opts = options(workload, clients, 0.0, server);
+        opts.sessions = args[4].parse().expect("SESSIONS is a number");
+        opts.ttl_ms = args[5].parse().expect("TTL_MS is a number");
+        opts
+    } else {
+        let seconds: f64 = args[4].parse().expect("SECONDS is a number");
+        options(workload, clients, seconds, server)
+    };
+    let r = match (kind, workload) {
+        ("leasehold", _) => loadgen::run(opts).await.expect("the Leasehold run"),
+        ("redis", Workload::MassExpiry) => mass_expiry::redis(target, &opts).await,
+        ("postgres", Workload::MassExpiry) => mass_expiry::postgres(target, &opts).await,
+        ("redis", _) => redis_run(target, workload, opts).await,
+        ("postgres", _) => pg_run(target, workload, opts).await,
+        (other, _) => panic!("unknown target {other}"),
     };
     let mut line = serde_json::to_value(&r).expect("a report serializes");
     line["target"] = serde_json::Value::String(args[1].clone());
@@ -156,42 +174,9 @@ async fn redis_run(url: &str, workload: Workload, opts: Options) -> loadgen::Rep
                             _ => Err(()),
                         }
                     }
-                    _ => {
-                        // A key another client holds is skipped for the next, as a real
-                        // contender (and Leasehold's lock-churn) does.
-                        let session = format!("cmp:sess:{c}");
-                        let mut result = Err(());
-                        for attempt in 0..16 {
-                            let key = format!(
-                                "cmp:lock:{}",
-                                (c * 7919 + (i * 16 + attempt) * 104_729) % KEYS
-                            );
-                            let t = Instant::now();
-                            let token: Result<i64, _> = acquire
-                                .key(&key)
-                                .key(&session)
-                                .arg(&session)
-                                .invoke_async(&mut conn)
-                                .await;
-                            let latency = t.elapsed();
-                            match token {
-                                Ok(0) => continue,
-                                Ok(t) if t > 0 => {
-                                    let released: Result<i64, _> = release
-                                        .key(&key)
-                                        .arg(format!("{session}:{t}"))
-                                        .invoke_async(&mut conn)
-                                        .await;
-                                    if let Ok(1) = released {
-                                        result = Ok(vec![latency]);
-                                    }
-                                    break;
-                                }
-                                _ => break,
-                            }
-                        }
-                        result
-                    }
+                    _ => redis_lock_pair(&mut conn, &acquire, &release, c, i)
+                        .await
+                        .map(|latency| vec![latency]),
                 };
                 ((conn, c, i), r)
             }
@@ -205,14 +190,7 @@ async fn redis_run(url: &str, workload: Workload, opts: Options) -> loadgen::Rep
 
 async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::Report {
     let clients = opts.clients;
-    let connect = || async {
-        let (client, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
-            .await
-            .expect("PostgreSQL");
-        tokio::spawn(conn);
-        client
-    };
-    let setup = connect().await;
+    let setup = pg_connect(conninfo).await;
     setup.batch_execute(PG_SCHEMA).await.expect("schema");
     let sessions = match workload {
         Workload::Heartbeat => SESSIONS,
@@ -232,21 +210,8 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
     let ids = Arc::new(ids);
     let mut states = Vec::new();
     for c in 0..clients {
-        let client = Arc::new(connect().await);
-        let acquire = client
-            .prepare(
-                "INSERT INTO lock_entry (lock_key, session_id, token)
-                 VALUES ($1, $2, nextval('lock_token'))
-                 ON CONFLICT (lock_key) DO NOTHING RETURNING token",
-            )
-            .await
-            .expect("prepare");
-        let release = client
-            .prepare(
-                "DELETE FROM lock_entry WHERE lock_key = $1 AND session_id = $2 AND token = $3",
-            )
-            .await
-            .expect("prepare");
+        let client = Arc::new(pg_connect(conninfo).await);
+        let [acquire, release] = pg_prepare_churn(&client).await;
         let beat = client
             .prepare(
                 "UPDATE lock_session SET expires_at = now() + interval '10 minutes'
@@ -263,7 +228,7 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
         move |_,
               (client, st, c, mut i): (
             Arc<tokio_postgres::Client>,
-            [tokio_postgres::Statement; 3],
+            [Statement; 3],
             usize,
             usize,
         )| {
@@ -279,32 +244,9 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
                             _ => Err(()),
                         }
                     }
-                    _ => {
-                        let session = ids[c];
-                        let mut result = Err(());
-                        for attempt in 0..16 {
-                            let key = format!(
-                                "cmp/lock/{}",
-                                (c * 7919 + (i * 16 + attempt) * 104_729) % KEYS
-                            );
-                            let t = Instant::now();
-                            match client.query_opt(&st[0], &[&key, &session]).await {
-                                Ok(Some(row)) => {
-                                    let latency = t.elapsed();
-                                    let token: i64 = row.get(0);
-                                    if let Ok(1) =
-                                        client.execute(&st[1], &[&key, &session, &token]).await
-                                    {
-                                        result = Ok(vec![latency]);
-                                    }
-                                    break;
-                                }
-                                Ok(None) => continue,
-                                Err(_) => break,
-                            }
-                        }
-                        result
-                    }
+                    _ => pg_lock_pair(&client, &st, ids[c], c, i)
+                        .await
+                        .map(|latency| vec![latency]),
                 };
                 ((client, st, c, i), r)
             }
@@ -314,4 +256,103 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
     .await;
     let seconds = started.elapsed().saturating_sub(opts.warmup).as_secs_f64();
     report(workload.name(), clients, seconds, measured)
+}
+
+/// One lock-churn unit against Redis: acquire a key, release it; the latency is the acquire's.
+/// A key another client holds is skipped for the next, as a real contender (and Leasehold's
+/// lock-churn) does. Client `c` holds session `cmp:sess:{c}`; `i` counts its units.
+async fn redis_lock_pair(
+    conn: &mut MultiplexedConnection,
+    acquire: &redis::Script,
+    release: &redis::Script,
+    c: usize,
+    i: usize,
+) -> Result<Duration, ()> {
+    let session = format!("cmp:sess:{c}");
+    for attempt in 0..16 {
+        let key = format!(
+            "cmp:lock:{}",
+            (c * 7919 + (i * 16 + attempt) * 104_729) % KEYS
+        );
+        let t = Instant::now();
+        let token: Result<i64, _> = acquire
+            .key(&key)
+            .key(&session)
+            .arg(&session)
+            .invoke_async(conn)
+            .await;
+        let latency = t.elapsed();
+        match token {
+            Ok(0) => continue,
+            Ok(t) if t > 0 => {
+                let released: Result<i64, _> = release
+                    .key(&key)
+                    .arg(format!("{session}:{t}"))
+                    .invoke_async(conn)
+                    .await;
+                return match released {
+                    Ok(1) => Ok(latency),
+                    _ => Err(()),
+                };
+            }
+            _ => return Err(()),
+        }
+    }
+    Err(())
+}
+
+async fn pg_connect(conninfo: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
+        .await
+        .expect("PostgreSQL");
+    tokio::spawn(conn);
+    client
+}
+
+/// The acquire and release statements `pg_lock_pair` takes.
+async fn pg_prepare_churn(client: &tokio_postgres::Client) -> [Statement; 2] {
+    let acquire = client
+        .prepare(
+            "INSERT INTO lock_entry (lock_key, session_id, token)
+             VALUES ($1, $2, nextval('lock_token'))
+             ON CONFLICT (lock_key) DO NOTHING RETURNING token",
+        )
+        .await
+        .expect("prepare");
+    let release = client
+        .prepare("DELETE FROM lock_entry WHERE lock_key = $1 AND session_id = $2 AND token = $3")
+        .await
+        .expect("prepare");
+    [acquire, release]
+}
+
+/// One lock-churn unit against PostgreSQL, as `redis_lock_pair`; `st` starts with the
+/// statements of `pg_prepare_churn`.
+async fn pg_lock_pair(
+    client: &tokio_postgres::Client,
+    st: &[Statement],
+    session: uuid::Uuid,
+    c: usize,
+    i: usize,
+) -> Result<Duration, ()> {
+    for attempt in 0..16 {
+        let key = format!(
+            "cmp/lock/{}",
+            (c * 7919 + (i * 16 + attempt) * 104_729) % KEYS
+        );
+        let t = Instant::now();
+        match client.query_opt(&st[0], &[&key, &session]).await {
+            Ok(Some(row)) => {
+                let latency = t.elapsed();
+                let token: i64 = row.get(0);
+                return match client.execute(&st[1], &[&key, &session, &token]).await {
+                    Ok(1) => Ok(latency),
+                    _ => Err(()),
+                };
+            }
+            Ok(None) => continue,
+            Err(_) => return Err(()),
+        }
+    }
+    Err(())
 }
