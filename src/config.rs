@@ -38,6 +38,8 @@ pub struct Config {
     pub reaper_interval_ms: u64,
     /// Most sessions one reaper pass ends in one transaction.
     pub reaper_batch: usize,
+    /// About how long one reaper pass may hold the writer; passes are sized to it.
+    pub reaper_pass_ms: u64,
     /// How long audit events are kept.
     pub event_retention_ms: u64,
     /// Most audit events one pass trims.
@@ -77,6 +79,7 @@ impl Default for Config {
             reaper_enabled: true,
             reaper_interval_ms: engine.reaper_interval_ms,
             reaper_batch: engine.reaper_batch,
+            reaper_pass_ms: engine.reaper_pass_ms,
             event_retention_ms: engine.event_retention_ms,
             event_trim_batch: engine.event_trim_batch,
             job_retention_ms: engine.job_retention_ms,
@@ -194,6 +197,13 @@ impl Config {
         )?;
         range("reaper_batch", self.reaper_batch, 1, 1_000_000, "sessions")?;
         range(
+            "reaper_pass_ms",
+            self.reaper_pass_ms,
+            1,
+            10_000,
+            "milliseconds",
+        )?;
+        range(
             "event_retention_ms",
             self.event_retention_ms,
             1_000,
@@ -291,6 +301,7 @@ impl Config {
             reaper_enabled: self.reaper_enabled,
             reaper_interval_ms: self.reaper_interval_ms,
             reaper_batch: self.reaper_batch,
+            reaper_pass_ms: self.reaper_pass_ms,
             event_retention_ms: self.event_retention_ms,
             event_trim_batch: self.event_trim_batch,
             job_retention_ms: self.job_retention_ms,

@@ -209,6 +209,10 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_REAPER_BATCH")]
     #[serde(skip_serializing_if = "Option::is_none")]
     reaper_batch: Option<usize>,
+    /// About how long one reaper pass may hold the writer, in ms [default: 2]
+    #[arg(long, env = "LEASEHOLD_REAPER_PASS_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reaper_pass_ms: Option<u64>,
     /// How long audit events are kept, in ms [default: 604800000]
     #[arg(long, env = "LEASEHOLD_EVENT_RETENTION_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]

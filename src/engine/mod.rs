@@ -38,6 +38,7 @@ pub struct EngineConfig {
     pub reaper_enabled: bool,
     pub reaper_interval_ms: u64,
     pub reaper_batch: usize,
+    pub reaper_pass_ms: u64,
     pub event_retention_ms: u64,
     pub event_trim_batch: usize,
     pub job_retention_ms: u64,
@@ -53,6 +54,7 @@ impl Default for EngineConfig {
             reaper_enabled: true,
             reaper_interval_ms: 1_000,
             reaper_batch: 10_000,
+            reaper_pass_ms: 2,
             event_retention_ms: 7 * 24 * 3_600_000,
             event_trim_batch: 10_000,
             job_retention_ms: 7 * 24 * 3_600_000,
@@ -466,7 +468,12 @@ impl Engine {
         let mut total = ReapOutcome::default();
         loop {
             let limit = self.shared.config.reaper_batch;
-            let pass = self.call(|reply| Command::Reap { limit, reply }).await?;
+            let pass = self
+                .call(|reply| Command::Reap {
+                    size: writer::PassSize::AtMost(limit),
+                    reply,
+                })
+                .await?;
             total.sessions += pass.sessions;
             total.locks += pass.locks;
             total.seats += pass.seats;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
+use super::reaper::PassSizer;
 use super::waiters::{Reply, Resource, Waiter, Waiters, Want};
 use super::{Beat, Claimed, Closed, EngineError, Granted, OpenedSession, ReapOutcome, Shared};
 use crate::domain::time::to_wall;
@@ -101,13 +102,31 @@ pub enum Command {
         reply: Reply<u64>,
     },
     Reap {
-        limit: usize,
+        size: PassSize,
         reply: Reply<ReapOutcome>,
     },
     /// Answer every waiter `ShuttingDown` now, so a drain does not wait out long polls.
     Drain,
     /// Finish what is queued before this, then exit.
     Stop,
+}
+
+/// How many due sessions one reaper pass may end.
+#[derive(Debug, Clone, Copy)]
+pub enum PassSize {
+    /// As many as the writer's [`PassSizer`] fits in the pass budget: the background reaper,
+    /// whose passes share the writer with clients.
+    Paced,
+    /// Up to this many: an operator's reap, which asks for everything now.
+    AtMost(usize),
+}
+
+/// A paced pass in the batch being built: what it ended and what that cost before the
+/// commit, so the sizer can learn its share of the batch.
+struct PacedPass {
+    sessions: usize,
+    changes: usize,
+    domain: Duration,
 }
 
 /// An answer held back until the batch that produced it has committed.
@@ -171,6 +190,10 @@ struct Writer {
     /// Pools and queues whose gauges need refreshing after the commit.
     touched_pools: BTreeSet<PoolName>,
     touched_queues: BTreeSet<QueueName>,
+    sizer: PassSizer,
+    paced: Option<PacedPass>,
+    /// The reaper has found sessions due; the writer keeps reaping until none are.
+    storm: bool,
 }
 
 pub fn spawn(shared: Arc<Shared>, rx: Receiver<Command>) -> std::io::Result<JoinHandle<()>> {
@@ -178,6 +201,10 @@ pub fn spawn(shared: Arc<Shared>, rx: Receiver<Command>) -> std::io::Result<Join
         .name("leasehold-writer".into())
         .spawn(move || {
             Writer {
+                sizer: PassSizer::new(
+                    Duration::from_millis(shared.config.reaper_pass_ms),
+                    shared.config.reaper_batch,
+                ),
                 shared,
                 fx: Effects::default(),
                 pending: Vec::new(),
@@ -185,6 +212,8 @@ pub fn spawn(shared: Arc<Shared>, rx: Receiver<Command>) -> std::io::Result<Join
                 trim_events: false,
                 touched_pools: BTreeSet::new(),
                 touched_queues: BTreeSet::new(),
+                paced: None,
+                storm: false,
             }
             .run(rx)
         })
@@ -255,6 +284,17 @@ impl Writer {
                 self.apply(&mut state, &mut waiters, cmd, at);
                 self.settle(&mut state, &mut waiters, at);
             }
+            // A storm the reaper started is carried on here: while sessions are due, every
+            // batch takes one paced pass along. Left to the reaper alone, only every other
+            // batch would, as its next request arrives after this batch's answer.
+            if self.storm && self.paced.is_none() {
+                if state.earliest_deadline().is_some_and(|d| d <= at.now) {
+                    self.reap_pass(&mut state, at, PassSize::Paced);
+                    self.settle(&mut state, &mut waiters, at);
+                } else {
+                    self.storm = false;
+                }
+            }
             for (resource, w) in waiters.expire(at.now) {
                 self.tally.seats_refused += u64::from(time_out(&state, resource, w, at));
             }
@@ -297,6 +337,13 @@ impl Writer {
             match result {
                 Ok(done) => {
                     m.events_trimmed.inc_by(done.events_trimmed as u64);
+                    if let Some(pass) = self.paced.take() {
+                        // The pass's share of writing the batch, by its share of the
+                        // changes; the fsync is not counted, as the batch pays it anyway.
+                        let total = self.fx.changes.len().max(1);
+                        let share = done.applied.mul_f64(pass.changes as f64 / total as f64);
+                        self.sizer.observe(pass.sessions, pass.domain + share);
+                    }
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "commit failed; refusing writes from now on");
@@ -543,17 +590,12 @@ impl Writer {
                 let r = state.requeue(job, at, fx).map_err(job_error);
                 pend(pending, reply, r);
             }
-            Command::Reap { limit, reply } => {
-                let ended = state.reap(at, limit, fx);
-                let outcome = ReapOutcome {
-                    sessions: ended.len(),
-                    locks: ended.iter().map(|e| e.released.len()).sum(),
-                    seats: ended.iter().map(|e| e.seats.len()).sum(),
-                    jobs: ended.iter().map(|e| e.jobs.len()).sum(),
-                };
-                for e in &ended {
-                    self.tally.ended(e);
+            Command::Reap { size, reply } => {
+                if let PassSize::Paced = size {
+                    self.storm = true;
                 }
+                let outcome = self.reap_pass(state, at, size);
+                let fx = &mut self.fx;
                 // Each reaper pass also purges finished jobs and trims old audit events,
                 // in the same bounded way.
                 let before = UnixMs(
@@ -563,7 +605,7 @@ impl Writer {
                 );
                 state.purge_jobs(before, self.shared.config.reaper_batch, fx);
                 self.trim_events = true;
-                pend(pending, reply, Ok(outcome));
+                pend(&mut self.pending, reply, Ok(outcome));
             }
             Command::Drain => {
                 for w in waiters.drain() {
@@ -571,6 +613,38 @@ impl Writer {
                 }
             }
             Command::Stop => {}
+        }
+    }
+
+    /// Ends up to `size` due sessions. A paced pass is remembered so that, once the batch
+    /// has committed, the sizer learns what it cost.
+    fn reap_pass(&mut self, state: &mut State, at: At, size: PassSize) -> ReapOutcome {
+        let started = Instant::now();
+        let changes_before = self.fx.changes.len();
+        let limit = match size {
+            PassSize::Paced => self.sizer.next(),
+            PassSize::AtMost(n) => n,
+        };
+        let ended = state.reap(at, limit, &mut self.fx);
+        if let PassSize::Paced = size {
+            self.paced = Some(PacedPass {
+                sessions: ended.len(),
+                changes: self.fx.changes.len() - changes_before,
+                domain: started.elapsed(),
+            });
+            if !ended.is_empty() {
+                let m = &self.shared.metrics;
+                m.reaper_batch_size.observe(ended.len() as f64);
+            }
+        }
+        for e in &ended {
+            self.tally.ended(e);
+        }
+        ReapOutcome {
+            sessions: ended.len(),
+            locks: ended.iter().map(|e| e.released.len()).sum(),
+            seats: ended.iter().map(|e| e.seats.len()).sum(),
+            jobs: ended.iter().map(|e| e.jobs.len()).sum(),
         }
     }
 
