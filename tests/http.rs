@@ -2243,3 +2243,71 @@ async fn a_plus_in_a_path_is_a_plus_not_a_space() {
     assert_error(&holder(&s, "a b").await, 404, "lock_free");
     s.stop().await;
 }
+
+/// A mass expiry left to the background reaper is worked off in several paced passes, not
+/// one long one, and still ends every session, frees every lock and counts every one.
+#[tokio::test]
+async fn the_background_reaper_works_off_a_mass_expiry_in_paced_passes() {
+    const N: usize = 600;
+    let s = TestServer::start_with(|c| {
+        c.reaper_enabled = true;
+        c.reaper_interval_ms = 10;
+        c.reaper_pass_ms = 1;
+    })
+    .await;
+    let survivor = s.open("live", 600_000).await;
+    let kept = take(&s, "live/k", &survivor).await;
+    // Opened and locked concurrently, so that they share commits.
+    let mut dying = tokio::task::JoinSet::new();
+    for i in 0..N {
+        let client = s.client.clone();
+        dying.spawn(async move {
+            let body = json!({"owner": "dying", "ttl_ms": 2_000});
+            let opened = client.post("/v1/sessions", &body).await.unwrap();
+            assert_eq!(opened.status, 201, "{}", opened.text);
+            let id = opened.body["session_id"].as_str().unwrap().to_string();
+            let path = format!("/v1/locks/{}/acquire", segment(&format!("mx/{i:04}")));
+            let got = client
+                .post(&path, &json!({"session_id": id}))
+                .await
+                .unwrap();
+            assert_eq!(got.status, 200, "{}", got.text);
+        });
+    }
+    while let Some(done) = dying.join_next().await {
+        done.unwrap();
+    }
+    assert_eq!(
+        metric(&s, "leasehold_locks_held").await,
+        Some(N as f64 + 1.0)
+    );
+
+    s.advance(2_000);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&s, "leasehold_sessions_active").await != Some(1.0) {
+        assert!(Instant::now() < deadline, "the reaper did not finish");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The first pass of a storm asks for a few hundred sessions at most, so 600 take at
+    // least two; the passes together ended exactly the dying sessions.
+    let passes = metric(&s, "leasehold_reaper_batch_size_count")
+        .await
+        .unwrap();
+    assert!(passes >= 2.0, "{passes} passes");
+    assert_eq!(
+        metric(&s, "leasehold_reaper_batch_size_sum").await,
+        Some(N as f64)
+    );
+    assert_eq!(
+        metric(&s, "leasehold_locks_released_by_expiry_total").await,
+        Some(N as f64)
+    );
+    let listed = s.get("/v1/locks?prefix=mx/&limit=10").await;
+    assert_eq!(listed.status, 200, "{}", listed.text);
+    assert_eq!(listed.body["locks"], json!([]), "{}", listed.text);
+    assert_eq!(holder(&s, "live/k").await.body["token"], kept);
+    let ev = all_events(&s).await;
+    assert_eq!(of_kind(&ev, "session_expired").len(), N);
+    s.stop().await;
+}
