@@ -330,18 +330,18 @@ impl Writer {
                     .trim_events
                     .then_some((cutoff, shared.config.event_trim_batch)),
             });
+            let commit_took = commit_started.elapsed();
             let m = &shared.metrics;
-            m.commit_seconds
-                .observe(commit_started.elapsed().as_secs_f64());
+            m.commit_seconds.observe(commit_took.as_secs_f64());
             m.commit_batch_size.observe(count as f64);
             match result {
                 Ok(done) => {
                     m.events_trimmed.inc_by(done.events_trimmed as u64);
                     if let Some(pass) = self.paced.take() {
-                        // The pass's share of writing the batch, by its share of the
-                        // changes; the fsync is not counted, as the batch pays it anyway.
+                        // The pass's share of the commit, by its share of the changes:
+                        // writing the B-trees and the pages it dirtied, and the sync.
                         let total = self.fx.changes.len().max(1);
-                        let share = done.applied.mul_f64(pass.changes as f64 / total as f64);
+                        let share = commit_took.mul_f64(pass.changes as f64 / total as f64);
                         self.sizer.observe(pass.sessions, pass.domain + share);
                     }
                 }

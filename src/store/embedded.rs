@@ -20,7 +20,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
 
 use redb::{
     Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata,
@@ -116,8 +115,6 @@ pub struct Batch<'a> {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Committed {
     pub events_trimmed: usize,
-    /// Time spent writing the batch into the B-trees, before the durable commit.
-    pub applied: Duration,
 }
 
 #[derive(Debug, Default)]
@@ -316,9 +313,7 @@ impl Store {
 
     fn write_batch(&self, batch: &Batch<'_>) -> Result<Committed, StoreError> {
         let txn = self.db.begin_write().map_err(StoreError::redb)?;
-        let started = Instant::now();
-        let mut committed = apply(&txn, batch)?;
-        committed.applied = started.elapsed();
+        let committed = apply(&txn, batch)?;
         txn.commit().map_err(StoreError::redb)?;
         Ok(committed)
     }
