@@ -48,6 +48,8 @@ const SHORT_TTL_MS: u64 = 1_000;
 const SETUP_IN_FLIGHT: usize = 4_096;
 /// Sizes of the session-count parameterised benchmarks.
 const REAP_SIZES: [usize; 3] = [1_000, 10_000, 100_000];
+/// The in-memory reap also runs at a million: it needs no store to fill.
+const DOMAIN_REAP_SIZES: [usize; 4] = [1_000, 10_000, 100_000, 1_000_000];
 /// Sessions that each hold a seat and a claimed job.
 const SEAT_AND_JOB_SIZES: [usize; 2] = [1_000, 10_000];
 /// Expired holders of one pool: the reaper's work per licence key.
@@ -275,15 +277,17 @@ fn domain(c: &mut Criterion) {
     group.finish();
 
     let mut group = c.benchmark_group("domain/reap");
-    for n in REAP_SIZES {
+    for n in reaper_sizes(&DOMAIN_REAP_SIZES) {
         group.throughput(Throughput::Elements(n as u64));
         // Sized so that each size fits its samples in the time given (setup included).
         let (samples, secs) = if n <= 1_000 {
             (20, 3)
         } else if n <= 10_000 {
             (10, 3)
-        } else {
+        } else if n <= 100_000 {
             (10, 6)
+        } else {
+            (10, 40)
         };
         group
             .sample_size(samples)

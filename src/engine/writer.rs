@@ -373,6 +373,8 @@ impl Writer {
         }
         self.fx.clear();
         self.trim_events = false;
+        // A pass whose batch had nothing to commit (it ended no one) teaches nothing.
+        self.paced = None;
         if !failed {
             self.publish(sessions, locks);
         }
