@@ -7,6 +7,7 @@
 //! come from redb read transactions, so they see only what has been committed, plus the
 //! in-memory deadlines for liveness.
 
+mod pacing;
 mod reaper;
 mod waiters;
 mod writer;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::reaper::PassSizer;
+use super::pacing::PassSizer;
 use super::waiters::{Reply, Resource, Waiter, Waiters, Want};
 use super::{Beat, Claimed, Closed, EngineError, Granted, OpenedSession, ReapOutcome, Shared};
 use crate::domain::time::to_wall;
