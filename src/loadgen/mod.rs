@@ -15,7 +15,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use crate::client::{Client, ClientError};
-pub use workloads::Workload;
+pub use workloads::{Storm, Workload, storm_report};
 
 #[derive(Debug, Clone)]
 pub struct Options {

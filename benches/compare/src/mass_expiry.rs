@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use leasehold::loadgen::{Options, Report, Workload, histogram};
+use leasehold::loadgen::{self, Options, Report, Storm};
 use redis::Script;
 use redis::aio::MultiplexedConnection;
 use serde_json::{Map, Value, json};
@@ -119,58 +119,24 @@ async fn next_poll(deadline: u64) {
     }
 }
 
-/// The report in the shape `leasehold bench --workload mass-expiry` gives: the acquire
-/// latencies of the storm (from the deadline until all free) as p50/p99/p99.9, the ones
-/// before the deadline as `baseline_p99_us`, and the failed live units of the storm as errors.
+/// The report in the shape `leasehold bench --workload mass-expiry` gives, built by the same
+/// code; here every deadline falls on one instant.
 fn storm_report(
     opts: &Options,
     deadline: u64,
     free_at: u64,
     live: Vec<Samples>,
-    mut extra: Map<String, Value>,
+    extra: Map<String, Value>,
 ) -> Report {
-    let n = opts.sessions.max(1);
-    let (mut before, mut during) = (histogram(), histogram());
-    let mut errors = 0;
-    for (at, us) in live.into_iter().flatten() {
-        match us {
-            Some(us) if at < deadline => {
-                let _ = before.record(us.clamp(1, 60_000_000));
-            }
-            Some(us) if at <= free_at => {
-                let _ = during.record(us.clamp(1, 60_000_000));
-            }
-            None if (deadline..=free_at).contains(&at) => errors += 1,
-            _ => {}
-        }
-    }
-    let free_after_ms = free_at.saturating_sub(deadline);
-    let seconds = free_after_ms as f64 / 1_000.0;
-    extra.insert("sessions".into(), json!(n));
-    extra.insert("deadline_spread_ms".into(), json!(0));
-    extra.insert("free_after_ms".into(), json!(free_after_ms));
-    extra.insert(
-        "baseline_p99_us".into(),
-        json!(before.value_at_quantile(0.99)),
-    );
-    extra.insert("storm_p99_us".into(), json!(during.value_at_quantile(0.99)));
-    extra.insert("storm_samples".into(), json!(during.len()));
-    Report {
-        workload: Workload::MassExpiry.name().into(),
+    let storm = Storm {
+        sessions: opts.sessions.max(1),
         clients: opts.clients.max(1),
-        ops: n as u64,
-        seconds,
-        ops_per_s: if seconds > 0.0 {
-            n as f64 / seconds
-        } else {
-            0.0
-        },
-        p50_us: during.value_at_quantile(0.50),
-        p99_us: during.value_at_quantile(0.99),
-        p999_us: during.value_at_quantile(0.999),
-        errors,
-        extra,
-    }
+        first_deadline: deadline,
+        last_deadline: deadline,
+        free_at,
+        samples: live.into_iter().flatten().collect(),
+    };
+    loadgen::storm_report(storm, extra)
 }
 
 /// Redis: sessions are keys with a TTL, locks are keys holding `session:token` with none, so
