@@ -1388,24 +1388,6 @@ impl EndStory {
     }
 }
 
-fn blank(kind: EventKind, seq: u64, at: UnixMs) -> Event {
-    Event {
-        seq,
-        at,
-        kind,
-        session_id: None,
-        key: None,
-        token: None,
-        reason: None,
-        owner: None,
-        released: Vec::new(),
-        pool: None,
-        queue: None,
-        job_id: None,
-        detail: None,
-    }
-}
-
 /// The one record change a plain event accounts for.
 fn only(facts: &mut Vec<Fact>, settled: &[Settled], kind: EventKind) -> Fact {
     assert!(settled.is_empty(), "{kind:?} inside an end: {settled:?}");
@@ -1630,7 +1612,7 @@ fn account(
     stories: &mut Vec<EndStory>,
 ) -> Event {
     let kind = event.kind;
-    let mut want = blank(kind, event.seq, wall);
+    let mut want = Event::new(event.seq, wall, kind);
     let system_reason = matches!(
         event.detail.as_deref(),
         Some(REASON_MAX_RECOVERIES | REASON_NOT_IDEMPOTENT)

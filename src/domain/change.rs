@@ -131,6 +131,27 @@ pub struct Event {
     pub detail: Option<String>,
 }
 
+impl Event {
+    /// An event of `kind` with every optional field empty, for the caller to fill in.
+    pub fn new(seq: u64, at: UnixMs, kind: EventKind) -> Event {
+        Event {
+            seq,
+            at,
+            kind,
+            session_id: None,
+            key: None,
+            token: None,
+            reason: None,
+            owner: None,
+            released: Vec::new(),
+            pool: None,
+            queue: None,
+            job_id: None,
+            detail: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolRecord {
     pub capacity: u32,

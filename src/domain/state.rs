@@ -310,21 +310,7 @@ impl State {
 
     pub(super) fn event(&mut self, at: UnixMs, kind: EventKind) -> Event {
         self.event_seq += 1;
-        Event {
-            seq: self.event_seq,
-            at,
-            kind,
-            session_id: None,
-            key: None,
-            token: None,
-            reason: None,
-            owner: None,
-            released: Vec::new(),
-            pool: None,
-            queue: None,
-            job_id: None,
-            detail: None,
-        }
+        Event::new(self.event_seq, at, kind)
     }
 
     /// The live session `id`, or why not. A session past its deadline is ended inline
