@@ -973,34 +973,8 @@ fn startup(c: &mut Criterion) {
 }
 
 criterion_group! {
-    name = domain_suite;
+    name = suites;
     config = config();
-    targets = domain
+    targets = domain, store, engine, reaper, startup
 }
-criterion_group! {
-    name = store_suite;
-    config = config();
-    targets = store
-}
-criterion_group! {
-    name = engine_suite;
-    config = config();
-    targets = engine
-}
-criterion_group! {
-    name = reaper_suite;
-    config = config();
-    targets = reaper
-}
-criterion_group! {
-    name = startup_suite;
-    config = config();
-    targets = startup
-}
-criterion_main!(
-    domain_suite,
-    store_suite,
-    engine_suite,
-    reaper_suite,
-    startup_suite
-);
+criterion_main!(suites);
