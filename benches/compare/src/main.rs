@@ -129,19 +129,7 @@ async fn redis_run(url: &str, workload: Workload, opts: Options) -> loadgen::Rep
         Workload::Heartbeat => SESSIONS,
         _ => clients,
     };
-    let mut pipe = redis::pipe();
-    for i in 0..sessions {
-        pipe.cmd("SET")
-            .arg(format!("cmp:sess:{i}"))
-            .arg(1)
-            .arg("PX")
-            .arg(TTL_MS)
-            .ignore();
-        if i % 1_000 == 999 || i + 1 == sessions {
-            let _: () = pipe.query_async(&mut setup).await.expect("open sessions");
-            pipe = redis::pipe();
-        }
-    }
+    redis_open_sessions(&mut setup, sessions).await;
     let mut states = Vec::new();
     for c in 0..clients {
         let conn = client
@@ -299,6 +287,23 @@ async fn redis_lock_pair(
         }
     }
     Err(())
+}
+
+/// Opens sessions `cmp:sess:0` … `cmp:sess:{n-1}` with the long TTL, 1 000 per pipeline.
+async fn redis_open_sessions(conn: &mut redis::aio::MultiplexedConnection, n: usize) {
+    let mut pipe = redis::pipe();
+    for i in 0..n {
+        pipe.cmd("SET")
+            .arg(format!("cmp:sess:{i}"))
+            .arg(1)
+            .arg("PX")
+            .arg(TTL_MS)
+            .ignore();
+        if i % 1_000 == 999 || i + 1 == n {
+            let _: () = pipe.query_async(conn).await.expect("open sessions");
+            pipe = redis::pipe();
+        }
+    }
 }
 
 async fn pg_connect(conninfo: &str) -> tokio_postgres::Client {

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use crate::{
     REDIS_ACQUIRE, REDIS_RELEASE, TTL_MS, pg_connect, pg_lock_pair, pg_prepare_churn,
-    redis_lock_pair,
+    redis_lock_pair, redis_open_sessions,
 };
 
 /// Commands per pipeline and keys per multi-key command.
@@ -189,19 +189,7 @@ pub async fn redis(url: &str, opts: &Options) -> Report {
             "a dying lock was not granted"
         );
     }
-    let mut pipe = redis::pipe();
-    for c in 0..clients {
-        pipe.cmd("SET")
-            .arg(format!("cmp:sess:{c}"))
-            .arg(1)
-            .arg("PX")
-            .arg(TTL_MS)
-            .ignore();
-    }
-    let _: () = pipe
-        .query_async(&mut setup)
-        .await
-        .expect("open live sessions");
+    redis_open_sessions(&mut setup, clients).await;
     // 2. One absolute deadline for every dying session.
     let deadline = wall_ms() + opts.ttl_ms.max(1_000);
     for start in (0..n).step_by(REDIS_BATCH) {
