@@ -24,14 +24,16 @@ use std::time::{Duration, Instant};
 use criterion::{
     BatchSize, BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
+use leasehold::backend::ReapOutcome;
+use leasehold::backend::embedded::Embedded as Engine;
+use leasehold::backend::embedded::store::{Batch, Store};
 use leasehold::clock::{Clock, ManualClock, SystemClock};
 use leasehold::domain::{
     At, Effects, EndReason, Finish, JobId, Limits, LockKey, Mono, NewJob, PoolName, QueueName,
     SessionId, State, Token, UnixMs,
 };
-use leasehold::engine::{Engine, EngineConfig, ReapOutcome};
+use leasehold::engine::EngineConfig;
 use leasehold::metrics::Metrics;
-use leasehold::store::{Batch, Store};
 use tempfile::TempDir;
 use tokio::runtime::Runtime;
 

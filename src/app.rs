@@ -9,12 +9,13 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::backend::embedded::store::{Store, StoreError};
+use crate::backend::embedded::{Embedded, StartError};
 use crate::clock::Clock;
 use crate::config::Config;
-use crate::engine::{Engine, StartError};
+use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::server::{self, ServerLimits};
-use crate::store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -51,7 +52,7 @@ impl App {
         store: Store,
     ) -> Result<App, AppError> {
         let metrics = Arc::new(Metrics::new());
-        let engine = Engine::start(config.engine(), store, clock, metrics)?;
+        let engine = Engine::from(Embedded::start(config.engine(), store, clock, metrics)?);
         let listener = match TcpListener::bind(config.listen).await {
             Ok(l) => l,
             Err(source) => {

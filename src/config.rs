@@ -17,14 +17,35 @@ pub enum LogFormat {
     Json,
 }
 
+/// Where the state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// redb in `data_dir`, one node.
+    Embedded,
+    /// A PostgreSQL database shared by several nodes (`postgres_url`, `namespace`).
+    Postgres,
+}
+
 /// Every setting of `leasehold serve`. Durations are milliseconds (`_ms`), sizes bytes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Address the HTTP API listens on.
     pub listen: SocketAddr,
-    /// Directory holding the data file.
+    /// Where the state lives: `embedded` (redb in `data_dir`) or `postgres`.
+    pub backend: BackendKind,
+    /// Directory holding the data file (embedded backend).
     pub data_dir: PathBuf,
+    /// A libpq connection URL, e.g. `postgres://leasehold@db1/leasehold` (postgres backend).
+    pub postgres_url: Option<String>,
+    /// The schema (postgres) that holds this service's tables; several services can share
+    /// one database under different namespaces.
+    pub namespace: String,
+    /// Most connections one node opens to PostgreSQL.
+    pub postgres_pool_size: usize,
+    /// Longest one PostgreSQL statement may run before it is cancelled.
+    pub postgres_statement_timeout_ms: u64,
     pub default_ttl_ms: u64,
     pub min_ttl_ms: u64,
     pub max_ttl_ms: u64,
@@ -70,7 +91,12 @@ impl Default for Config {
         let limits = Limits::default();
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 7878)),
+            backend: BackendKind::Embedded,
             data_dir: PathBuf::from("leasehold-data"),
+            postgres_url: None,
+            namespace: "leasehold".into(),
+            postgres_pool_size: 16,
+            postgres_statement_timeout_ms: 5_000,
             default_ttl_ms: limits.default_ttl_ms,
             min_ttl_ms: limits.min_ttl_ms,
             max_ttl_ms: limits.max_ttl_ms,
@@ -125,6 +151,14 @@ fn range<T: PartialOrd + std::fmt::Display>(
     Ok(())
 }
 
+/// A namespace becomes a schema name or a key prefix: keep it to what both accept unquoted.
+fn valid_namespace(ns: &str) -> bool {
+    let mut chars = ns.chars();
+    matches!(chars.next(), Some('a'..='z' | '_'))
+        && ns.len() <= 48
+        && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
+}
+
 impl Config {
     /// Builds the configuration: defaults, then `file` (if any), then `overrides` (the
     /// settings given as flags or environment variables), then validates it.
@@ -159,6 +193,31 @@ impl Config {
     /// Checks every rule once, naming the setting and its unit.
     pub fn validate(&self) -> Result<(), ConfigError> {
         const DAY_MS: u64 = 86_400_000;
+        if self.backend == BackendKind::Postgres && self.postgres_url.is_none() {
+            return Err(ConfigError::Invalid(
+                "backend = \"postgres\" needs postgres_url (a libpq URL such as postgres://user@host:5432/db)".into(),
+            ));
+        }
+        if !valid_namespace(&self.namespace) {
+            return Err(ConfigError::Invalid(format!(
+                "namespace = {:?} must be 1 to 48 characters of a-z, 0-9 and _, starting with a letter or _",
+                self.namespace
+            )));
+        }
+        range(
+            "postgres_pool_size",
+            self.postgres_pool_size,
+            1,
+            1_000,
+            "connections",
+        )?;
+        range(
+            "postgres_statement_timeout_ms",
+            self.postgres_statement_timeout_ms,
+            10,
+            600_000,
+            "milliseconds",
+        )?;
         range("min_ttl_ms", self.min_ttl_ms, 100, DAY_MS, "milliseconds")?;
         range(
             "max_ttl_ms",
@@ -364,6 +423,16 @@ mod tests {
             ),
             ("max_body_bytes", toml::Value::Integer(10), "bytes"),
             ("log_level", toml::Value::String("[[".into()), "log_level"),
+            (
+                "backend",
+                toml::Value::String("postgres".into()),
+                "needs postgres_url",
+            ),
+            (
+                "namespace",
+                toml::Value::String("Bad-Name".into()),
+                "namespace",
+            ),
         ];
         for (name, value, expect) in cases {
             let err = Config::load(None, overrides(&[(name, value.clone())])).unwrap_err();

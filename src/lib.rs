@@ -27,6 +27,7 @@
 
 pub mod api;
 pub mod app;
+pub mod backend;
 pub mod cli;
 pub mod client;
 pub mod clock;
@@ -36,4 +37,3 @@ pub mod engine;
 pub mod loadgen;
 pub mod metrics;
 pub mod server;
-pub mod store;

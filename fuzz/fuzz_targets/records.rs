@@ -3,7 +3,7 @@
 #![no_main]
 
 use leasehold::domain::{Event, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionRecord};
-use leasehold::store::codec::decode;
+use leasehold::backend::embedded::store::codec::decode;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -102,7 +102,8 @@ async fn reap(
     if req.dry_run {
         let sessions = app
             .engine
-            .reap_dry_run(DRY_RUN_LIMIT)?
+            .reap_dry_run(DRY_RUN_LIMIT)
+            .await?
             .into_iter()
             .map(|d| DueSession {
                 session_id: d.id.to_string(),
@@ -145,6 +146,6 @@ async fn reap(
         locks_released: outcome.locks,
         seats_released: outcome.seats,
         jobs_settled: outcome.jobs,
-        revision: app.engine.revision(),
+        revision: app.engine.revision().await?,
     }))
 }

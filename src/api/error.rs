@@ -5,8 +5,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+use crate::backend::BackendError;
 use crate::domain::InvalidInput;
-use crate::engine::EngineError;
 
 #[derive(Debug)]
 pub enum ApiError {
@@ -22,7 +22,7 @@ pub enum ApiError {
     NotFound,
     MethodNotAllowed,
     PayloadTooLarge(usize),
-    Engine(EngineError),
+    Engine(BackendError),
 }
 
 #[derive(Serialize)]
@@ -47,7 +47,7 @@ impl ApiError {
     }
 
     fn parts(self) -> (StatusCode, &'static str, String, Option<String>) {
-        use EngineError as E;
+        use BackendError as E;
         match self {
             ApiError::Invalid { field, message } => {
                 (StatusCode::BAD_REQUEST, "invalid_request", message, field)
@@ -118,6 +118,7 @@ impl ApiError {
                     E::Overloaded(_) => (StatusCode::SERVICE_UNAVAILABLE, "overloaded"),
                     E::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
                     E::Store(_) => (StatusCode::SERVICE_UNAVAILABLE, "storage_error"),
+                    E::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "backend_unavailable"),
                 };
                 (status, code, e.to_string(), None)
             }
@@ -125,8 +126,8 @@ impl ApiError {
     }
 }
 
-impl From<EngineError> for ApiError {
-    fn from(e: EngineError) -> ApiError {
+impl From<BackendError> for ApiError {
+    fn from(e: BackendError) -> ApiError {
         ApiError::Engine(e)
     }
 }
@@ -140,7 +141,7 @@ impl From<InvalidInput> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (capacity, in_use) = match &self {
-            ApiError::Engine(EngineError::PoolExhausted { capacity, in_use }) => {
+            ApiError::Engine(BackendError::PoolExhausted { capacity, in_use }) => {
                 (Some(*capacity), Some(*in_use))
             }
             _ => (None, None),

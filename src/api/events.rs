@@ -34,7 +34,7 @@ async fn list(
 ) -> Result<Json<EventsResponse>, ApiError> {
     let limit = page_limit(q.limit, 100, 10_000)?;
     let after = q.after.unwrap_or(0);
-    let (events, next) = app.engine.events(after, limit)?;
+    let (events, next) = app.engine.events(after, limit).await?;
     Ok(Json(EventsResponse {
         events: events.into_iter().map(AuditEvent::from).collect(),
         next: next.unwrap_or(after),

@@ -115,7 +115,8 @@ async fn claim(
     // The claim is committed, and so is the job's payload: it was written at enqueue.
     let payload = app
         .engine
-        .job(c.job)?
+        .job(c.job)
+        .await?
         .map(|(_, p)| json_or_null(&p))
         .unwrap_or(serde_json::Value::Null);
     Ok(Json(ClaimResponse {
@@ -285,7 +286,7 @@ pub fn job_json(id: JobId, r: JobRecord, payload: Option<&str>) -> Job {
 }
 
 async fn show(State(app): State<AppState>, JobPath(id): JobPath) -> Result<Json<Job>, ApiError> {
-    let (record, payload) = app.engine.job(id)?.ok_or(ApiError::JobNotFound)?;
+    let (record, payload) = app.engine.job(id).await?.ok_or(ApiError::JobNotFound)?;
     Ok(Json(job_json(id, record, Some(&payload))))
 }
 
@@ -303,7 +304,7 @@ async fn queue(
     State(app): State<AppState>,
     KeyPath(queue): KeyPath,
 ) -> Result<Json<QueueResponse>, ApiError> {
-    let info = app.engine.queue(&queue)?;
+    let info = app.engine.queue(&queue).await?;
     Ok(Json(QueueResponse {
         queue: queue.to_string(),
         queued: info.counts.queued,
@@ -361,7 +362,7 @@ async fn list(
         ),
         None => None,
     };
-    let (rows, next) = app.engine.queue_jobs(&queue, &state, after, limit)?;
+    let (rows, next) = app.engine.queue_jobs(&queue, &state, after, limit).await?;
     Ok(Json(ListResponse {
         jobs: rows
             .into_iter()

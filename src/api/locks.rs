@@ -80,7 +80,7 @@ async fn release(
 }
 
 async fn show(State(app): State<AppState>, KeyPath(key): KeyPath) -> Result<Json<Lock>, ApiError> {
-    match app.engine.lock(&key)? {
+    match app.engine.lock(&key).await? {
         Some(record) => Ok(Json(Lock::new(key.to_string(), record))),
         None => Err(ApiError::LockFree),
     }
@@ -105,9 +105,10 @@ async fn list(
     Query(q): Query<ListQuery>,
 ) -> Result<Json<ListResponse>, ApiError> {
     let limit = page_limit(q.limit, 100, 1_000)?;
-    let (rows, next) =
-        app.engine
-            .locks(q.prefix.as_deref().unwrap_or(""), q.after.as_deref(), limit)?;
+    let (rows, next) = app
+        .engine
+        .locks(q.prefix.as_deref().unwrap_or(""), q.after.as_deref(), limit)
+        .await?;
     Ok(Json(ListResponse {
         locks: rows.into_iter().map(|(k, r)| Lock::new(k, r)).collect(),
         next,
@@ -135,7 +136,7 @@ async fn fence(
     KeyPath(key): KeyPath,
     Query(q): Query<FenceQuery>,
 ) -> Result<Json<FenceResponse>, ApiError> {
-    let f = app.engine.fence(&key, Token(q.token))?;
+    let f = app.engine.fence(&key, Token(q.token)).await?;
     Ok(Json(FenceResponse {
         key: key.to_string(),
         token: q.token,

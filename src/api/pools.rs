@@ -92,7 +92,11 @@ async fn show(
     State(app): State<AppState>,
     KeyPath(pool): KeyPath,
 ) -> Result<Json<PoolResponse>, ApiError> {
-    let info = app.engine.pool(&pool)?.ok_or(ApiError::PoolNotFound)?;
+    let info = app
+        .engine
+        .pool(&pool)
+        .await?
+        .ok_or(ApiError::PoolNotFound)?;
     Ok(Json(PoolResponse {
         pool: pool.to_string(),
         capacity: info.capacity,
@@ -136,7 +140,8 @@ async fn list(State(app): State<AppState>) -> Result<Json<ListResponse>, ApiErro
     Ok(Json(ListResponse {
         pools: app
             .engine
-            .pools()?
+            .pools()
+            .await?
             .into_iter()
             .map(|(pool, capacity, in_use)| PoolSummary {
                 pool,

@@ -102,7 +102,7 @@ pub async fn end(
             released: 0,
             seats_released: 0,
             jobs_settled: 0,
-            revision: app.engine.revision(),
+            revision: app.engine.revision().await?,
         },
     }))
 }
@@ -118,7 +118,7 @@ async fn show(
     State(app): State<AppState>,
     SessionPath(id): SessionPath,
 ) -> Result<Json<Session>, ApiError> {
-    match app.engine.session(id)? {
+    match app.engine.session(id).await? {
         Some(info) => Ok(Json(info.into())),
         None => Err(ApiError::SessionGone),
     }
@@ -152,7 +152,10 @@ async fn list(
         })?),
         None => None,
     };
-    let (sessions, next) = app.engine.sessions(q.owner.as_deref(), after, limit)?;
+    let (sessions, next) = app
+        .engine
+        .sessions(q.owner.as_deref(), after, limit)
+        .await?;
     Ok(Json(ListResponse {
         sessions: sessions.into_iter().map(Session::from).collect(),
         next: next.map(|n| n.to_string()),

@@ -2,8 +2,8 @@
 
 use serde::Serialize;
 
+use crate::backend::SessionInfo;
 use crate::domain::{Event, LockRecord, UnixMs};
-use crate::engine::SessionInfo;
 
 #[derive(Serialize)]
 pub struct HeldLock {

@@ -3,8 +3,8 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use crate::store::Store;
-use crate::store::embedded::DATA_FILE;
+use crate::backend::embedded::store::Store;
+use crate::backend::embedded::store::embedded::DATA_FILE;
 
 pub fn run(data_dir: &Path) -> ExitCode {
     if !data_dir.join(DATA_FILE).exists() {

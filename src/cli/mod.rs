@@ -173,10 +173,30 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_LISTEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<SocketAddr>,
-    /// Data directory [default: leasehold-data]
+    /// Where the state lives [default: embedded]
+    #[arg(long, env = "LEASEHOLD_BACKEND", value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backend: Option<crate::config::BackendKind>,
+    /// Data directory of the embedded backend [default: leasehold-data]
     #[arg(long, env = "LEASEHOLD_DATA_DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     data_dir: Option<PathBuf>,
+    /// PostgreSQL connection URL (libpq form), for --backend postgres
+    #[arg(long, env = "LEASEHOLD_POSTGRES_URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_url: Option<String>,
+    /// Schema (postgres) holding this service's state [default: leasehold]
+    #[arg(long, env = "LEASEHOLD_NAMESPACE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    namespace: Option<String>,
+    /// Most connections one node opens to PostgreSQL [default: 16]
+    #[arg(long, env = "LEASEHOLD_POSTGRES_POOL_SIZE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_pool_size: Option<usize>,
+    /// Longest one PostgreSQL statement may run, in ms [default: 5000]
+    #[arg(long, env = "LEASEHOLD_POSTGRES_STATEMENT_TIMEOUT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    postgres_statement_timeout_ms: Option<u64>,
     /// TTL of a session that asks for none, in ms [default: 15000]
     #[arg(long, env = "LEASEHOLD_DEFAULT_TTL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]

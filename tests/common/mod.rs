@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use leasehold::app::App;
+use leasehold::backend::embedded::store::Store;
+use leasehold::backend::embedded::store::fault::FaultSwitch;
 use leasehold::client::{Client, Reply, segment};
 use leasehold::clock::{Clock, ManualClock, SystemClock};
 use leasehold::config::Config;
 use leasehold::domain::UnixMs;
-use leasehold::store::Store;
-use leasehold::store::fault::FaultSwitch;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 

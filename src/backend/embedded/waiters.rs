@@ -9,10 +9,10 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use tokio::sync::oneshot;
 
-use super::{Claimed, EngineError, Granted};
+use crate::backend::{BackendError, Claimed, Granted};
 use crate::domain::{LockKey, Mono, PoolName, QueueName, SessionId};
 
-pub type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+pub type Reply<T> = oneshot::Sender<Result<T, BackendError>>;
 
 /// What a waiter waits for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -42,7 +42,7 @@ impl Want {
     }
 
     /// Answers with an error (shutdown, fail-stop, gone session).
-    pub fn fail(self, e: EngineError) {
+    pub fn fail(self, e: BackendError) {
         match self {
             Want::Lock(r) | Want::Seat { reply: r, .. } => {
                 let _ = r.send(Err(e));

@@ -12,17 +12,18 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::pacing::PassSizer;
+use super::Shared;
+use super::store::Batch;
 use super::waiters::{Reply, Resource, Waiter, Waiters, Want};
-use super::{Beat, Claimed, Closed, EngineError, Granted, OpenedSession, ReapOutcome, Shared};
+use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::time::to_wall;
 use crate::domain::{
     AcquireError, At, Change, Effects, EndReason, Ended, Finish, HeartbeatError, JobError, JobId,
     JobOutcome, LockKey, Mono, NewJob, PoolError, PoolName, PoolPut, QueueName, SeatError,
     SessionId, State, Token, UnixMs,
 };
+use crate::engine::pacing::PassSizer;
 use crate::metrics::ReasonLabel;
-use crate::store::Batch;
 
 pub enum Command {
     Open {
@@ -135,11 +136,11 @@ type Pending = Box<dyn FnOnce(bool) + Send>;
 fn pend<T: Send + 'static>(
     pending: &mut Vec<Pending>,
     reply: Reply<T>,
-    result: Result<T, EngineError>,
+    result: Result<T, BackendError>,
 ) {
     pending.push(Box::new(move |failed| {
         let _ = reply.send(if failed {
-            Err(EngineError::StoreFailed)
+            Err(BackendError::StoreFailed)
         } else {
             result
         });
@@ -252,7 +253,7 @@ impl Writer {
             if stop {
                 let drained = self.shared.waiters.lock().drain();
                 for w in drained {
-                    w.want.fail(EngineError::ShuttingDown);
+                    w.want.fail(BackendError::ShuttingDown);
                 }
                 self.shared.metrics.waiters.set(0);
                 return;
@@ -264,11 +265,11 @@ impl Writer {
         let count = batch.len();
         if self.shared.store.failed() {
             for cmd in batch.drain(..) {
-                refuse(cmd, EngineError::StoreFailed);
+                refuse(cmd, BackendError::StoreFailed);
             }
             let drained = self.shared.waiters.lock().drain();
             for w in drained {
-                w.want.fail(EngineError::StoreFailed);
+                w.want.fail(BackendError::StoreFailed);
             }
             return;
         }
@@ -384,7 +385,7 @@ impl Writer {
         if failed {
             let drained = shared.waiters.lock().drain();
             for w in drained {
-                w.want.fail(EngineError::StoreFailed);
+                w.want.fail(BackendError::StoreFailed);
             }
         }
     }
@@ -461,7 +462,7 @@ impl Writer {
                             revision: o.revision,
                         }
                     })
-                    .map_err(EngineError::from);
+                    .map_err(BackendError::from);
                 pend(pending, reply, r);
             }
             Command::Heartbeat { id, ttl_ms, reply } => {
@@ -473,7 +474,7 @@ impl Writer {
                             ttl_ms: b.ttl_ms,
                         })
                     }
-                    Err(HeartbeatError::Gone) => Err(EngineError::SessionGone),
+                    Err(HeartbeatError::Gone) => Err(BackendError::SessionGone),
                     Err(HeartbeatError::Invalid(e)) => Err(e.into()),
                 };
                 pend(pending, reply, r);
@@ -507,7 +508,7 @@ impl Writer {
             } => {
                 let r = state
                     .release(id, &key, token, at, fx)
-                    .map_err(|_| EngineError::NotHolder);
+                    .map_err(|_| BackendError::NotHolder);
                 self.tally.released += u64::from(r.is_ok());
                 pend(pending, reply, r);
             }
@@ -520,14 +521,14 @@ impl Writer {
             } => {
                 let r = state
                     .put_pool(&name, capacity, metadata, created_at, at, fx)
-                    .map_err(EngineError::from);
+                    .map_err(BackendError::from);
                 pend(pending, reply, r);
             }
             Command::DeletePool { name, reply } => {
                 let r = state.delete_pool(&name, at, fx).map_err(pool_error);
                 if r.is_ok() {
                     for w in waiters.take_all(&Resource::Pool(name)) {
-                        w.want.fail(EngineError::PoolNotFound);
+                        w.want.fail(BackendError::PoolNotFound);
                     }
                 }
                 pend(pending, reply, r);
@@ -554,7 +555,7 @@ impl Writer {
                 pend(pending, reply, r);
             }
             Command::Enqueue { id, job, reply } => {
-                let r = state.enqueue(id, job, at, fx).map_err(EngineError::from);
+                let r = state.enqueue(id, job, at, fx).map_err(BackendError::from);
                 pend(pending, reply, r);
             }
             Command::Claim {
@@ -570,7 +571,7 @@ impl Writer {
                     }
                     _ => pend(pending, reply, Ok(None)),
                 },
-                Err(_) => pend(pending, reply, Err(EngineError::SessionGone)),
+                Err(_) => pend(pending, reply, Err(BackendError::SessionGone)),
             },
             Command::FinishJob {
                 id,
@@ -611,7 +612,7 @@ impl Writer {
             }
             Command::Drain => {
                 for w in waiters.drain() {
-                    w.want.fail(EngineError::ShuttingDown);
+                    w.want.fail(BackendError::ShuttingDown);
                 }
             }
             Command::Stop => {}
@@ -672,7 +673,7 @@ impl Writer {
         if queued_behind(state, waiters) {
             match deadline {
                 Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply)),
-                _ => pend(&mut self.pending, reply, Err(EngineError::LockHeld)),
+                _ => pend(&mut self.pending, reply, Err(BackendError::LockHeld)),
             }
             return;
         }
@@ -683,7 +684,7 @@ impl Writer {
             }
             Err(AcquireError::Held { .. }) => match deadline {
                 Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply)),
-                _ => pend(&mut self.pending, reply, Err(EngineError::LockHeld)),
+                _ => pend(&mut self.pending, reply, Err(BackendError::LockHeld)),
             },
             Err(e) => pend(&mut self.pending, reply, Err(acquire_error(e))),
         }
@@ -724,7 +725,7 @@ impl Writer {
                     pend(
                         &mut self.pending,
                         reply,
-                        Err(EngineError::PoolExhausted { capacity, in_use }),
+                        Err(BackendError::PoolExhausted { capacity, in_use }),
                     )
                 }
             },
@@ -841,10 +842,10 @@ impl Writer {
                             );
                             return;
                         }
-                        Err(_) => pend(&mut self.pending, reply, Err(EngineError::SessionGone)),
+                        Err(_) => pend(&mut self.pending, reply, Err(BackendError::SessionGone)),
                     }
                 }
-                (_, want) => want.fail(EngineError::ShuttingDown),
+                (_, want) => want.fail(BackendError::ShuttingDown),
             }
         }
     }
@@ -854,7 +855,7 @@ impl Writer {
 /// queue still empty — or its session is gone. True when a seat request was refused.
 fn time_out(state: &State, resource: Resource, w: Waiter, at: At) -> bool {
     if !state.is_live(w.session, at.now) {
-        w.want.fail(EngineError::SessionGone);
+        w.want.fail(BackendError::SessionGone);
         return false;
     }
     match (resource, w.want) {
@@ -862,7 +863,7 @@ fn time_out(state: &State, resource: Resource, w: Waiter, at: At) -> bool {
             let (capacity, in_use) = state
                 .pool(&pool)
                 .map_or((0, 0), |p| (p.capacity, p.holders.len()));
-            want.fail(EngineError::PoolExhausted { capacity, in_use });
+            want.fail(BackendError::PoolExhausted { capacity, in_use });
             true
         }
         (_, Want::Claim(reply)) => {
@@ -870,7 +871,7 @@ fn time_out(state: &State, resource: Resource, w: Waiter, at: At) -> bool {
             false
         }
         (_, want) => {
-            want.fail(EngineError::LockHeld);
+            want.fail(BackendError::LockHeld);
             false
         }
     }
@@ -891,44 +892,44 @@ fn claimed(c: crate::domain::Claim) -> Claimed {
     }
 }
 
-fn acquire_error(e: AcquireError) -> EngineError {
+fn acquire_error(e: AcquireError) -> BackendError {
     match e {
-        AcquireError::SessionGone => EngineError::SessionGone,
-        AcquireError::Held { .. } => EngineError::LockHeld,
-        AcquireError::TooManyLocks(n) => EngineError::TooManyLocks(n),
+        AcquireError::SessionGone => BackendError::SessionGone,
+        AcquireError::Held { .. } => BackendError::LockHeld,
+        AcquireError::TooManyLocks(n) => BackendError::TooManyLocks(n),
     }
 }
 
-fn seat_error(e: SeatError) -> EngineError {
+fn seat_error(e: SeatError) -> BackendError {
     match e {
-        SeatError::SessionGone => EngineError::SessionGone,
-        SeatError::PoolNotFound => EngineError::PoolNotFound,
+        SeatError::SessionGone => BackendError::SessionGone,
+        SeatError::PoolNotFound => BackendError::PoolNotFound,
         SeatError::Exhausted { capacity, in_use } => {
-            EngineError::PoolExhausted { capacity, in_use }
+            BackendError::PoolExhausted { capacity, in_use }
         }
-        SeatError::Invalid(i) => EngineError::Invalid(i),
+        SeatError::Invalid(i) => BackendError::Invalid(i),
     }
 }
 
-fn pool_error(e: PoolError) -> EngineError {
+fn pool_error(e: PoolError) -> BackendError {
     match e {
-        PoolError::NotFound => EngineError::PoolNotFound,
-        PoolError::InUse(n) => EngineError::PoolInUse(n),
-        PoolError::NotHolder => EngineError::NotHolder,
+        PoolError::NotFound => BackendError::PoolNotFound,
+        PoolError::InUse(n) => BackendError::PoolInUse(n),
+        PoolError::NotHolder => BackendError::NotHolder,
     }
 }
 
-fn job_error(e: JobError) -> EngineError {
+fn job_error(e: JobError) -> BackendError {
     match e {
-        JobError::NotFound => EngineError::JobNotFound,
-        JobError::StaleToken => EngineError::StaleToken,
-        JobError::NotFailed => EngineError::JobNotFailed,
-        JobError::Invalid(i) => EngineError::Invalid(i),
+        JobError::NotFound => BackendError::JobNotFound,
+        JobError::StaleToken => BackendError::StaleToken,
+        JobError::NotFailed => BackendError::JobNotFailed,
+        JobError::Invalid(i) => BackendError::Invalid(i),
     }
 }
 
-fn refuse(cmd: Command, e: EngineError) {
-    fn no<T>(tx: Reply<T>, e: EngineError) {
+fn refuse(cmd: Command, e: BackendError) {
+    fn no<T>(tx: Reply<T>, e: BackendError) {
         let _ = tx.send(Err(e));
     }
     match cmd {

@@ -28,6 +28,7 @@ use redb::{
 
 use super::codec::{self, CodecError};
 use super::fault::{FaultSwitch, FaultyBackend};
+pub use crate::backend::CheckReport;
 use crate::domain::state::Restore;
 use crate::domain::{
     Change, Event, JobId, JobRecord, JobStatus, LockKey, LockRecord, PoolRecord, SeatRecord,
@@ -115,15 +116,6 @@ pub struct Batch<'a> {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Committed {
     pub events_trimmed: usize,
-}
-
-#[derive(Debug, Default)]
-pub struct CheckReport {
-    pub sessions: u64,
-    pub locks: u64,
-    pub events: u64,
-    pub revision: u64,
-    pub problems: Vec<String>,
 }
 
 pub struct Store {
