@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Old against new, in one run on one machine: starts each `leasehold` binary in turn on a fresh
+# data directory (embedded backend, default settings) and drives it with the same load
+# generator (`leasehold bench` of the NEW binary) through the same workloads, alternating
+# old, new, old, new so that drift of the machine falls on both. Prints one JSON line per run
+# with a "binary" field.
+#
+#   benches/ab.sh OLD_BINARY NEW_BINARY [ROUNDS]
+#
+# SECONDS_PER_RUN (default 10), CLIENTS (64), HEARTBEAT_SESSIONS (100000) and MASS_SESSIONS
+# (100000) size the runs. Not part of CI: a full run takes several minutes.
+set -euo pipefail
+old="$(realpath "$1")"
+new="$(realpath "$2")"
+rounds="${3:-2}"
+seconds="${SECONDS_PER_RUN:-10}"
+clients="${CLIENTS:-64}"
+hb_sessions="${HEARTBEAT_SESSIONS:-100000}"
+mass_sessions="${MASS_SESSIONS:-100000}"
+port=7895
+work="$(mktemp -d)"
+pid=""
+trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"' EXIT
+
+start() {
+    rm -rf "$work/data"
+    "$1" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level warn \
+        >"$work/server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 100); do
+        curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    echo "server $1 did not become ready" >&2
+    cat "$work/server.log" >&2
+    exit 1
+}
+stop() {
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    pid=""
+}
+label() {
+    python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['binary']=sys.argv[1]; print(json.dumps(r))" "$1"
+}
+drive() {
+    "$new" bench --server "http://127.0.0.1:$port" --json --quiet --clients "$clients" "$@"
+}
+
+for round in $(seq 1 "$rounds"); do
+    for which in old new; do
+        bin="$old"
+        [ "$which" = new ] && bin="$new"
+        for workload in lock-churn heartbeat mass-expiry; do
+            echo "== round $round, $which, $workload" >&2
+            start "$bin"
+            case "$workload" in
+            lock-churn) drive --workload lock-churn --duration "$seconds" ;;
+            heartbeat) drive --workload heartbeat --sessions "$hb_sessions" --duration "$seconds" ;;
+            mass-expiry) drive --workload mass-expiry --sessions "$mass_sessions" --clients 8 ;;
+            esac | label "$which"
+            stop
+        done
+    done
+done
