@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Side by side, in one run on one machine: Leasehold (release build, default settings: every
-# acknowledged write fsynced), Redis with appendfsync always, Redis with its default
+# acknowledged write fsynced), Leasehold on PostgreSQL (`--backend postgres`, the same
+# database as the raw tables, its own schema), Redis with appendfsync always, Redis with its default
 # persistence, and PostgreSQL (the session and lock tables, synchronous_commit on). Same
 # driver, same clients (64; 8 live ones for mass-expiry), same workloads. Writes
 # docs/benchmarks-compare.md.
@@ -34,15 +35,24 @@ redis-server --port 6390 --bind 127.0.0.1 --dir "$work/redis-always" --appendonl
     --appendfsync always --save "" --daemonize yes --logfile "$work/redis-always.log"
 redis-server --port 6391 --bind 127.0.0.1 --dir "$work/redis-default" --daemonize yes \
     --logfile "$work/redis-default.log"
-sleep 1
+pg_url="${PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
+psql "$pg_url" -qc "DROP SCHEMA IF EXISTS bench_compare CASCADE" >/dev/null
+"$root/target/release/leasehold" serve --backend postgres --postgres-url "$pg_url" \
+    --namespace bench_compare --listen 127.0.0.1:7892 --log-level warn \
+    >"$work/leasehold-pg.log" 2>&1 &
+for _ in $(seq 1 100); do
+    curl -fsS http://127.0.0.1:7892/readyz >/dev/null 2>&1 && curl -fsS http://127.0.0.1:7890/readyz >/dev/null 2>&1 && break
+    sleep 0.1
+done
 
 targets=(
     "leasehold=http://127.0.0.1:7890"
+    "leasehold=http://127.0.0.1:7892"
     "redis=redis://127.0.0.1:6390"
     "redis=redis://127.0.0.1:6391"
     "postgres=$pg"
 )
-names=("Leasehold" "Redis, appendfsync always" "Redis, default persistence" "PostgreSQL")
+names=("Leasehold" "Leasehold on PostgreSQL" "Redis, appendfsync always" "Redis, default persistence" "PostgreSQL")
 out="$work/results.jsonl"
 named() {
     python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; print(json.dumps(r))" "$1" >>"$out"
@@ -120,6 +130,10 @@ for workload in ["lock-churn", "heartbeat"]:
             f"| {r['name']} | {r['ops_per_s']:,.0f} | {r['p50_us']/1000:.2f} ms | {r['p99_us']/1000:.2f} ms "
             f"| {r['p999_us']/1000:.2f} ms | {r['errors']} | {ratio:.2f}× |"
         )
+    on_pg = next((r for r in rs if r["name"] == "Leasehold on PostgreSQL"), None)
+    raw_pg = next((r for r in rs if r["name"] == "PostgreSQL"), None)
+    if on_pg and raw_pg and raw_pg["ops_per_s"]:
+        lines += ["", f"Leasehold on PostgreSQL ÷ the raw PostgreSQL tables: {on_pg['ops_per_s'] / raw_pg['ops_per_s']:.2f}× the throughput."]
     lines.append("")
 base = next(r for r in mass if r["name"] == "Leasehold")
 lines += [
@@ -138,6 +152,13 @@ for r in mass:
         f"| {r['storm_p99_us']/1000:.2f} ms | {ratio:.2f}× |"
     )
 lines.append("")
+on_pg = next((r for r in mass if r["name"] == "Leasehold on PostgreSQL"), None)
+raw_pg = next((r for r in mass if r["name"] == "PostgreSQL"), None)
+if on_pg and raw_pg:
+    lines.append(
+        f"- Leasehold on PostgreSQL took {max(on_pg['free_after_ms'], 1) / max(raw_pg['free_after_ms'], 1):.2f}× "
+        "as long as the raw batched cascading `DELETE` to free every lock."
+    )
 lines.append(f"- Leasehold's deadlines spread over {base['deadline_spread_ms']} ms; the peers' fall on one instant.")
 for r in mass:
     if "cleaner_passes" in r:
@@ -153,7 +174,8 @@ for r in mass:
 lines.append("")
 lines += [
     "Durability differs: Leasehold fsyncs every acknowledged grant and release (heartbeats are",
-    "memory-only by design, with a restart grace); Redis with `appendfsync always` fsyncs every",
+    "memory-only by design, with a restart grace); Leasehold on PostgreSQL commits every",
+    "operation, heartbeats included, to the database (`synchronous_commit = on`); Redis with `appendfsync always` fsyncs every",
     "write, with its default persistence it snapshots now and then and loses recent writes on a",
     "crash; PostgreSQL with `synchronous_commit = on` fsyncs (group-committed) every transaction.",
     "",
