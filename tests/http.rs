@@ -212,7 +212,7 @@ async fn metrics_exist_and_count() {
         metric(&s, "leasehold_sessions_ended_total{reason=\"expired\"}").await,
         None
     );
-    s.advance(2_000);
+    s.advance(2_000).await;
     let reaped = s.reap().await;
     assert_eq!(reaped.body["sessions_ended"], 1, "{}", reaped.text);
     assert_eq!(
@@ -269,7 +269,7 @@ async fn open_returns_201_with_id_ttl_deadline_and_revision() {
     let rev1 = r.body["revision"].as_u64().unwrap();
     assert!(rev1 >= 1);
 
-    s.advance(100);
+    s.advance(100).await;
     let r2 = open_with(&s, json!({"owner": "alice", "ttl_ms": 2_000})).await;
     assert_eq!(r2.status, 201, "{}", r2.text);
     assert_eq!(r2.body["ttl_ms"], 2_000);
@@ -297,7 +297,7 @@ async fn show_session_round_trips_owner_metadata_and_locks() {
     .await;
     assert_eq!(r.status, 201, "{}", r.text);
     let id = r.body["session_id"].as_str().unwrap().to_string();
-    s.advance(500);
+    s.advance(500).await;
     let t2 = take(&s, "k/2", &id).await;
     let t1 = take(&s, "k/1", &id).await;
 
@@ -519,20 +519,20 @@ async fn body_over_max_body_bytes_is_413() {
 async fn heartbeat_extends_and_gone_is_terminal() {
     let s = TestServer::start().await;
     let a = s.open("alice", 2_000).await;
-    s.advance(1_500);
+    s.advance(1_500).await;
     let hb = s.heartbeat(&a).await;
     assert_eq!(hb.status, 200, "{}", hb.text);
     assert_eq!(hb.body["expires_at"], BASE + 1_500 + 2_000);
     assert_eq!(hb.body["ttl_ms"], 2_000);
     // The heartbeat moved the deadline: 1 999 ms later the session is still alive, although
     // that is past its first deadline.
-    s.advance(1_999);
+    s.advance(1_999).await;
     assert_eq!(s.heartbeat(&a).await.status, 200);
     let got = session(&s, &a).await;
     assert_eq!(got.status, 200);
     assert_eq!(got.body["last_heartbeat_at"], BASE + 3_499);
     // Exactly at the deadline it is gone, before any reap.
-    s.advance(2_000);
+    s.advance(2_000).await;
     let gone = s.heartbeat(&a).await;
     assert_error(&gone, 404, "session_gone");
     assert_error(&session(&s, &a).await, 404, "session_gone");
@@ -567,7 +567,7 @@ async fn heartbeat_extends_and_gone_is_terminal() {
 async fn heartbeat_expired_but_unreaped_is_gone_and_not_revived() {
     let s = TestServer::start().await;
     let a = s.open("alice", 1_000).await;
-    s.advance(5_000);
+    s.advance(5_000).await;
     assert_error(&s.heartbeat(&a).await, 404, "session_gone");
     // Not listed, not revived by anything later, and it ends exactly once, as an expiry.
     let list = s.get("/v1/sessions").await;
@@ -588,7 +588,7 @@ async fn heartbeat_expired_but_unreaped_is_gone_and_not_revived() {
 async fn heartbeat_with_ttl_changes_the_ttl() {
     let s = TestServer::start().await;
     let a = s.open("alice", 2_000).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     let hb = s
         .post(
             &format!("/v1/sessions/{a}/heartbeat"),
@@ -600,7 +600,7 @@ async fn heartbeat_with_ttl_changes_the_ttl() {
     assert_eq!(hb.body["expires_at"], BASE + 1_000 + 10_000);
     assert_eq!(session(&s, &a).await.body["ttl_ms"], 10_000);
     // The old TTL no longer applies.
-    s.advance(9_999);
+    s.advance(9_999).await;
     assert_eq!(s.heartbeat(&a).await.status, 200);
     // Later plain heartbeats keep the new TTL.
     let hb = s.heartbeat(&a).await;
@@ -628,9 +628,9 @@ async fn grace_state_after_a_third_of_the_ttl() {
     let s = TestServer::start().await;
     let a = s.open("alice", 3_000).await;
     assert_eq!(session(&s, &a).await.body["state"], "active");
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_eq!(session(&s, &a).await.body["state"], "active");
-    s.advance(1);
+    s.advance(1).await;
     let g = session(&s, &a).await;
     assert_eq!(g.body["state"], "grace", "{}", g.text);
     assert_eq!(g.body["last_heartbeat_at"], BASE);
@@ -787,7 +787,7 @@ async fn sessions_page_by_owner_and_cursor() {
         200
     );
     let short = s.open("bob", 1_000).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     let r = s.get("/v1/sessions?owner=bob").await;
     let ids: Vec<&str> = r.body["sessions"]
         .as_array()
@@ -847,7 +847,7 @@ async fn next_is_null_on_a_full_last_page() {
 async fn acquire_show_release() {
     let s = TestServer::start().await;
     let a = s.open("alice", 60_000).await;
-    s.advance(250);
+    s.advance(250).await;
     let got = s.acquire("db/migrate", &a).await;
     assert_eq!(got.status, 200, "{}", got.text);
     assert_eq!(got.body["key"], "db/migrate");
@@ -955,7 +955,7 @@ async fn acquire_for_unknown_or_gone_session_is_404() {
     s.delete(&format!("/v1/sessions/{closed}")).await;
     assert_error(&s.acquire("k", &closed).await, 404, "session_gone");
     let expiring = s.open("bob", 1_000).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_error(&s.acquire("k", &expiring).await, 404, "session_gone");
     // Waiting does not help a gone session either.
     assert_error(
@@ -1058,7 +1058,7 @@ async fn release_with_wrong_token_or_session_is_409() {
     // Past its deadline a session holds nothing it can release: its token is stale.
     let late = s.open("late", 1_000).await;
     let tl = take(&s, "late-key", &late).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_eq!(fence(&s, "late-key", tl).await.body["current"], false);
     assert_error(&s.release("late-key", &late, tl).await, 409, "not_holder");
     assert_error(&s.heartbeat(&late).await, 404, "session_gone");
@@ -1299,7 +1299,7 @@ async fn waiter_is_served_when_the_holder_closes_or_is_reaped() {
     let ts = take(&s, "k2", &short).await;
     let wait_w = spawn_acquire(&s, "k2", &w, 30_000);
     until_waiters(&s, 1).await;
-    s.advance(2_000);
+    s.advance(2_000).await;
     let reaped = s.reap().await;
     assert_eq!(reaped.body["sessions_ended"], 1, "{}", reaped.text);
     let got = join(wait_w).await;
@@ -1381,12 +1381,12 @@ async fn wait_timeout_is_409_on_the_manual_clock() {
     let ta = take(&s, "k", &a).await;
     let wait_b = spawn_acquire(&s, "k", &b, 5_000);
     until_waiters(&s, 1).await;
-    s.advance(4_999);
+    s.advance(4_999).await;
     // Poke the writer: not yet due.
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
     until_waiters(&s, 1).await;
     assert!(!wait_b.is_finished());
-    s.advance(1);
+    s.advance(1).await;
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
     assert_error(&join(wait_b).await, 409, "lock_held");
     until_waiters(&s, 0).await;
@@ -1404,7 +1404,7 @@ async fn inline_reap_of_an_expired_holder() {
     let b = s.open("b", 60_000).await;
     let ta = take(&s, "job", &a).await;
     assert_error(&s.acquire("job", &b).await, 409, "lock_held");
-    s.advance(2_000);
+    s.advance(2_000).await;
     // No reap call: the contender ends the expired holder itself.
     let got = s.acquire("job", &b).await;
     assert_eq!(got.status, 200, "{}", got.text);
@@ -1455,7 +1455,7 @@ async fn waiters_keep_their_order_when_a_newcomer_reaps_the_holder_inline() {
     until_waiters(&s, 1).await;
     let wait_c = spawn_acquire(&s, "k", &c, 30_000);
     until_waiters(&s, 2).await;
-    s.advance(2_000);
+    s.advance(2_000).await;
     // A newcomer asks for the key of the expired holder.
     let dr = s.acquire("k", &d).await;
     if dr.status == 200 {
@@ -1488,7 +1488,7 @@ async fn a_newcomer_does_not_overtake_a_waiter_when_the_holder_expires() {
     take(&s, "k", &a).await;
     let wait_b = spawn_acquire(&s, "k", &b, 30_000);
     until_waiters(&s, 1).await;
-    s.advance(2_000);
+    s.advance(2_000).await;
     // B has been waiting for the key since before A expired; D only now asks, without waiting.
     let dr = s.acquire("k", &d).await;
     assert_error(&dr, 409, "lock_held");
@@ -1538,9 +1538,9 @@ async fn fence_reports_current_and_latest() {
 
     // The holder's session passes its deadline: its token stops being current at once,
     // before any reap.
-    s.advance(1_999);
+    s.advance(1_999).await;
     assert_eq!(fence(&s, "res", t2).await.body["current"], true);
-    s.advance(1);
+    s.advance(1).await;
     assert_eq!(fence(&s, "res", t2).await.body["current"], false);
     assert_eq!(s.reap().await.body["sessions_ended"], 1);
     let f = fence(&s, "res", t2).await;
@@ -1568,7 +1568,7 @@ async fn events_cover_every_kind_and_page_by_cursor() {
     let a = s.open("alice", 60_000).await;
     let b = s.open("bob", 60_000).await;
     let c = s.open("carol", 1_000).await;
-    s.advance(10);
+    s.advance(10).await;
     let t1 = take(&s, "k1", &a).await;
     assert_eq!(s.release("k1", &a, t1).await.status, 200);
     let t2 = take(&s, "k2", &a).await;
@@ -1581,7 +1581,7 @@ async fn events_cover_every_kind_and_page_by_cursor() {
         200
     );
     let t4 = take(&s, "k4", &c).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_eq!(s.reap().await.body["sessions_ended"], 1);
 
     let ev = all_events(&s).await;
@@ -1698,7 +1698,7 @@ async fn dry_run_reap_changes_nothing_then_a_real_reap_ends_them() {
     let t1 = take(&s, "k1", &a).await;
     let t2 = take(&s, "k2", &a).await;
     let t3 = take(&s, "k3", &b).await;
-    s.advance(1_500);
+    s.advance(1_500).await;
 
     let events_before = all_events(&s).await;
     let dry = s.post("/v1/admin/reap", json!({"dry_run": true})).await;
@@ -2064,7 +2064,7 @@ async fn a_wall_clock_step_expires_no_one() {
     let s = TestServer::start().await;
     let a = s.open("alice", 2_000).await;
     let t = take(&s, "k", &a).await;
-    s.advance(1_500);
+    s.advance(1_500).await;
 
     s.clock().step_wall(-3_600_000);
     let hb = s.heartbeat(&a).await;
@@ -2073,7 +2073,7 @@ async fn a_wall_clock_step_expires_no_one() {
     assert_eq!(hb.body["expires_at"], BASE + 1_500 - 3_600_000 + 2_000);
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
 
-    s.advance(1_500);
+    s.advance(1_500).await;
     s.clock().step_wall(3_600_000);
     assert_eq!(s.heartbeat(&a).await.status, 200);
     let dry = s.post("/v1/admin/reap", json!({"dry_run": true})).await;
@@ -2088,7 +2088,7 @@ async fn a_wall_clock_step_expires_no_one() {
     assert_eq!(holder(&s, "k").await.body["session_id"], a.as_str());
     assert_eq!(session(&s, &a).await.body["state"], "active");
     // The monotonic clock still rules: without heartbeats the session does end.
-    s.advance(2_000);
+    s.advance(2_000).await;
     assert_error(&s.heartbeat(&a).await, 404, "session_gone");
     s.stop().await;
 }
@@ -2178,10 +2178,10 @@ async fn events_are_trimmed_by_retention_in_bounded_batches() {
     }
     assert_eq!(all_events(&s).await.len(), 5);
     // Not old enough yet: a reaper pass trims nothing.
-    s.advance(1_000);
+    s.advance(1_000).await;
     s.reap().await;
     assert_eq!(all_events(&s).await.len(), 5);
-    s.advance(1);
+    s.advance(1).await;
     let seqs = |ev: &[Value]| {
         ev.iter()
             .map(|e| e["seq"].as_u64().unwrap())
@@ -2214,7 +2214,7 @@ async fn closing_an_expired_session_is_recorded_as_its_expiry() {
     let s = TestServer::start().await;
     let a = s.open("a", 1_000).await;
     let t = take(&s, "k", &a).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     let closed = s.delete(&format!("/v1/sessions/{a}")).await;
     assert_eq!(closed.status, 200, "{}", closed.text);
     let ev = all_events(&s).await;
@@ -2282,7 +2282,7 @@ async fn the_background_reaper_works_off_a_mass_expiry_in_paced_passes() {
         Some(N as f64 + 1.0)
     );
 
-    s.advance(2_000);
+    s.advance(2_000).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     while metric(&s, "leasehold_sessions_active").await != Some(1.0) {
         assert!(Instant::now() < deadline, "the reaper did not finish");

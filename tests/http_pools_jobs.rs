@@ -300,7 +300,7 @@ async fn pool_create_resize_show_list_delete() {
         })
     );
 
-    s.advance(10);
+    s.advance(10).await;
     let resized = put_pool(&s, "licences/cad", json!({"capacity": 2})).await;
     assert_eq!(resized.status, 200, "{}", resized.text);
     assert_eq!(resized.body["created"], false);
@@ -374,7 +374,7 @@ async fn resizing_a_pool_keeps_its_created_at() {
     let r = put_pool(&s, "p", json!({"capacity": 3, "metadata": {"v": 1}})).await;
     assert_eq!(r.status, 201, "{}", r.text);
     assert_eq!(pool(&s, "p").await.body["created_at"], BASE);
-    s.advance(5_000);
+    s.advance(5_000).await;
     make_pool(&s, "p", 4).await;
     let shown = pool(&s, "p").await;
     assert_eq!(shown.body["capacity"], 4);
@@ -528,7 +528,7 @@ async fn seat_acquire_show_release() {
     let s = TestServer::start().await;
     make_pool(&s, "cad", 2).await;
     let a = s.open("alice@laptop", 60_000).await;
-    s.advance(100);
+    s.advance(100).await;
     let got = acquire_seat(
         &s.client,
         "cad",
@@ -579,7 +579,7 @@ async fn seat_acquire_show_release() {
     );
 
     // A heartbeat shows in the holder's row.
-    s.advance(50);
+    s.advance(50).await;
     assert_eq!(s.heartbeat(&a).await.status, 200);
     let h = &pool(&s, "cad").await.body["holders"][0];
     assert_eq!(h["last_heartbeat_at"], BASE + 150);
@@ -800,12 +800,12 @@ async fn a_seat_waiter_times_out_with_pool_exhausted() {
     let ta = seat(&s, "p", &a).await;
     let wait_b = spawn_seat(&s, "p", &b, 5_000);
     until_pool_waiting(&s, "p", 1).await;
-    s.advance(4_999);
+    s.advance(4_999).await;
     // Poke the writer: not yet due.
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
     until_pool_waiting(&s, "p", 1).await;
     assert!(!wait_b.is_finished());
-    s.advance(1);
+    s.advance(1).await;
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
     let r = answer(wait_b).await;
     assert_error(&r, 409, "pool_exhausted");
@@ -828,7 +828,7 @@ async fn a_timed_out_seat_waiter_counts_as_refused() {
     seat(&s, "p", &a).await;
     let wait_b = spawn_seat(&s, "p", &b, 1_000);
     until_pool_waiting(&s, "p", 1).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     s.reap().await;
     assert_error(&answer(wait_b).await, 409, "pool_exhausted");
     assert_eq!(
@@ -854,7 +854,7 @@ async fn a_seat_waiter_whose_session_ended_is_skipped() {
     let wait_c = spawn_seat(&s, "p", &c, 30_000);
     until_pool_waiting(&s, "p", 3).await;
     // B stops heartbeating and passes its deadline; D is closed while it waits.
-    s.advance(2_000);
+    s.advance(2_000).await;
     close(&s, &d).await;
     assert!(!wait_b.is_finished() && !wait_d.is_finished());
     // When the seat frees, the two dead waiters are told they are gone and C gets it.
@@ -881,7 +881,7 @@ async fn deleting_a_pool_answers_its_waiters_pool_not_found() {
     let wait_b = spawn_seat(&s, "p", &b, 30_000);
     until_pool_waiting(&s, "p", 1).await;
     // The only holder is past its deadline, so the pool is not in use.
-    s.advance(1_000);
+    s.advance(1_000).await;
     let r = s.delete(&pool_path("p")).await;
     assert_eq!(r.status, 200, "{}", r.text);
     assert_error(&answer(wait_b).await, 404, "pool_not_found");
@@ -901,7 +901,7 @@ async fn waits_are_capped_by_max_wait_ms() {
     until_pool_waiting(&s, "p", 1).await;
     let wait_claim = spawn_claim(&s, "q", &b, 60_000);
     until_queue_waiting(&s, "q", 1).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
     assert_error(&answer(wait_seat).await, 409, "pool_exhausted");
     assert_eq!(answer(wait_claim).await.status, 204);
@@ -919,7 +919,7 @@ async fn heartbeats_keep_seats_and_claims_alive() {
     let (_, t) = claim_job(&s, "q", &a).await;
     // Ten TTLs go by, with a heartbeat well inside each: no false positive.
     for _ in 0..13 {
-        s.advance(1_500);
+        s.advance(1_500).await;
         assert_eq!(s.heartbeat(&a).await.status, 200);
         assert_error(
             &acquire_seat(&s.client, "p", json!({"session_id": b})).await,
@@ -1080,9 +1080,9 @@ async fn a_zombie_seat_goes_at_once_to_a_contender() {
     );
     // A stops heartbeating: late first (grace), then past its deadline (expired) but still
     // counted until someone reclaims the seat.
-    s.advance(1_001);
+    s.advance(1_001).await;
     assert_eq!(pool(&s, "p").await.body["holders"][0]["state"], "grace");
-    s.advance(1_999);
+    s.advance(1_999).await;
     let shown = pool(&s, "p").await;
     assert_eq!(shown.body["in_use"], 1);
     assert_eq!(shown.body["holders"][0]["state"], "expired");
@@ -1143,7 +1143,7 @@ async fn a_zombie_seat_is_reclaimed_by_the_reaper_and_goes_to_the_first_waiter()
     until_pool_waiting(&s, "p", 1).await;
     let wait_c = spawn_seat(&s, "p", &c, 30_000);
     until_pool_waiting(&s, "p", 2).await;
-    s.advance(2_000);
+    s.advance(2_000).await;
     let reaped = s.reap().await;
     assert_eq!(reaped.status, 200, "{}", reaped.text);
     assert_eq!(reaped.body["sessions_ended"], 1);
@@ -1186,7 +1186,7 @@ async fn a_zombie_seat_goes_to_the_first_waiter_not_to_a_newcomer() {
     until_pool_waiting(&s, "p", 1).await;
     let wait_c = spawn_seat(&s, "p", &c, 30_000);
     until_pool_waiting(&s, "p", 2).await;
-    s.advance(2_000);
+    s.advance(2_000).await;
     // A newcomer asks for a seat of the full pool whose holder is a zombie. Whether or not
     // it is granted one, B (first in line) must get the zombie's seat before anyone else.
     let dr = acquire_seat(&s.client, "p", json!({"session_id": d})).await;
@@ -1223,7 +1223,7 @@ async fn zombie_seats_serve_the_waiters_first_and_then_a_newcomer() {
     seat(&s, "p", &z2).await;
     let wait_b = spawn_seat(&s, "p", &b, 30_000);
     until_pool_waiting(&s, "p", 1).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     // Both holders are zombies: the waiter gets one seat, and the newcomer, asking without
     // waiting, the other. It must not be told the pool is exhausted while a seat is free.
     let got_n = acquire_seat(&s.client, "p", json!({"session_id": n})).await;
@@ -1327,7 +1327,7 @@ async fn deleting_a_pool_in_use_is_409() {
     assert_eq!(pool(&s, "p").await.body["in_use"], 2);
     assert_eq!(release_seat(&s, "p", &a, ta).await.status, 200);
     // A holder past its deadline does not keep the pool alive.
-    s.advance(1_000);
+    s.advance(1_000).await;
     let r = s.delete(&pool_path("p")).await;
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["deleted"], true);
@@ -1385,7 +1385,7 @@ async fn enqueue_claim_complete_round_trip() {
         Some(1.0)
     );
 
-    s.advance(20);
+    s.advance(20).await;
     let c = claim(&s, "builds", &w).await;
     assert_eq!(c.status, 200, "{}", c.text);
     let token = c.body["token"].as_u64().unwrap();
@@ -1417,7 +1417,7 @@ async fn enqueue_claim_complete_round_trip() {
         Some(1.0)
     );
 
-    s.advance(30);
+    s.advance(30).await;
     let done = finish(
         &s,
         &id,
@@ -1810,11 +1810,11 @@ async fn a_waiting_claim_times_out_with_204() {
     let w = s.open("w", 60_000).await;
     let wait = spawn_claim(&s, "q", &w, 2_000);
     until_queue_waiting(&s, "q", 1).await;
-    s.advance(1_999);
+    s.advance(1_999).await;
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
     until_queue_waiting(&s, "q", 1).await;
     assert!(!wait.is_finished());
-    s.advance(1);
+    s.advance(1).await;
     assert_eq!(s.reap().await.body["sessions_ended"], 0);
     let r = answer(wait).await;
     assert_eq!(r.status, 204, "{}", r.text);
@@ -1838,7 +1838,7 @@ async fn a_recovered_job_goes_to_its_new_claimant_and_the_old_worker_is_fenced_o
     assert_eq!(claim(&s, "q", &w2).await.status, 204);
 
     // The worker dies: it stops heartbeating and is reaped.
-    s.advance(2_000);
+    s.advance(2_000).await;
     let reaped = s.reap().await;
     assert_eq!(reaped.body["sessions_ended"], 1, "{}", reaped.text);
     let recovered = job(&s, &id).await;
@@ -1917,7 +1917,7 @@ async fn a_late_worker_past_its_deadline_cannot_finish_and_its_job_is_recovered(
     let w = s.open("w", 1_000).await;
     let id = enqueue(&s, "q", json!({"payload": 1, "idempotent": true})).await;
     let (_, t) = claim_job(&s, "q", &w).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     // No reap: the worker is past its deadline, so its claim is gone.
     assert_error(&complete(&s, &id, &w, t).await, 409, "stale_token");
     let shown = job(&s, &id).await;
@@ -2090,7 +2090,7 @@ async fn a_recovered_job_goes_to_the_head_of_its_queue() {
     let w2 = s.open("w2", 60_000).await;
     let (c, _) = claim_job(&s, "q", &w1).await;
     assert_eq!(c, j1);
-    s.advance(1_000);
+    s.advance(1_000).await;
     s.reap().await;
     assert_eq!(counts(&s, "q").await, (2, 0, 0, 0));
     let j3 = enqueue(&s, "q", json!({"payload": 3})).await;
@@ -2339,10 +2339,10 @@ async fn finished_jobs_are_purged_after_their_retention() {
     let r = finish(&s, &failed, "fail", json!({"session_id": w, "token": t})).await;
     assert_eq!(r.status, 200);
     let queued = enqueue(&s, "q", json!({"payload": "q"})).await;
-    s.advance(9_999);
+    s.advance(9_999).await;
     s.reap().await;
     assert_eq!(counts(&s, "q").await, (1, 0, 1, 1), "not yet");
-    s.advance(2);
+    s.advance(2).await;
     s.reap().await;
     assert_error(
         &s.get(&format!("/v1/jobs/{done}")).await,
@@ -2375,7 +2375,7 @@ async fn purged_jobs_leave_the_job_gauges() {
         metric(&s, "leasehold_jobs{queue=\"q\",state=\"done\"}").await,
         Some(1.0)
     );
-    s.advance(10_001);
+    s.advance(10_001).await;
     s.reap().await;
     assert_eq!(counts(&s, "q").await, (0, 0, 0, 0));
     let gauge = metric(&s, "leasehold_jobs{queue=\"q\",state=\"done\"}").await;
@@ -2389,7 +2389,7 @@ async fn a_seat_holder_past_its_deadline_cannot_release_and_its_seat_is_reclaime
     make_pool(&s, "p", 1).await;
     let a = s.open("a", 1_000).await;
     let ta = seat(&s, "p", &a).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_error(&release_seat(&s, "p", &a, ta).await, 409, "not_holder");
     assert_eq!(pool(&s, "p").await.body["in_use"], 0);
     let ev = all_events(&s).await;
@@ -2467,7 +2467,7 @@ async fn the_dry_run_changes_nothing_and_lists_seats_and_job_actions() {
         assert_eq!(&claim_job(&s, "q", &a).await.0, expected);
     }
     assert_eq!(claim_job(&s, "q", &b).await.0, bs);
-    s.advance(1_500);
+    s.advance(1_500).await;
 
     let jobs = [
         recover.as_str(),
@@ -2573,7 +2573,7 @@ async fn a_real_reap_reports_the_seats_and_jobs_it_settled() {
     enqueue(&s, "q", json!({"payload": 2})).await;
     claim_job(&s, "q", &a).await;
     claim_job(&s, "q", &a).await;
-    s.advance(1_000);
+    s.advance(1_000).await;
     let real = s.reap().await;
     assert_eq!(real.status, 200, "{}", real.text);
     assert_eq!(real.body["sessions_ended"], 1, "{}", real.text);
@@ -2651,7 +2651,7 @@ async fn seats_and_jobs_survive_a_restart() {
     let d = s.open("dies", 60_000).await;
     assert_eq!(claim_job(&s, "q", &d).await.0, jr);
     admin_end(&s, &d).await;
-    s.advance(5_000);
+    s.advance(5_000).await;
 
     let pools_before = s.get("/v1/pools").await.body;
     let holders_before = holder_rows(&s, "lic").await;
