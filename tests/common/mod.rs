@@ -319,34 +319,18 @@ impl Database {
     }
 
     /// Redefines `{namespace}.db_now()` to read `BASE` plus what was advanced, in the
-    /// language and volatility the backend gave it.
+    /// language and volatility the backend gave it; on the real clock, only checks that the
+    /// backend made it (so that a server that is not on PostgreSQL fails every test).
     async fn pin_clock(&self) {
-        if !self.pinned {
-            return;
-        }
-        let row = self
-            .client
-            .query_opt(
-                "SELECT l.lanname::text, p.provolatile::text FROM pg_proc p \
-                 JOIN pg_language l ON l.oid = p.prolang \
-                 JOIN pg_namespace n ON n.oid = p.pronamespace \
-                 WHERE n.nspname = $1 AND p.proname = 'db_now'",
-                &[&self.namespace],
-            )
-            .await
-            .unwrap();
-        let Some(row) = row else {
+        let Some((language, volatility)) = self.clock_function().await else {
             panic!(
-                "the PostgreSQL backend made no {}.db_now(): the tests move its clock there",
+                "the PostgreSQL backend made no {}.db_now(): is the server running on PostgreSQL?",
                 self.namespace
             );
         };
-        let language: String = row.get(0);
-        let volatility = match row.get::<_, String>(1).as_str() {
-            "i" => "IMMUTABLE",
-            "s" => "STABLE",
-            _ => "VOLATILE",
-        };
+        if !self.pinned {
+            return;
+        }
         let at = BASE + self.advanced.load(Ordering::SeqCst);
         let instant = format!("timestamptz 'epoch' + interval '1 millisecond' * {at}");
         let body = match language.as_str() {
@@ -361,6 +345,28 @@ impl Database {
             ))
             .await
             .unwrap_or_else(|e| panic!("cannot move the clock of {ns}: {e}"));
+    }
+
+    /// The language and volatility of `{namespace}.db_now()`, if the backend made it.
+    async fn clock_function(&self) -> Option<(String, &'static str)> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT l.lanname::text, p.provolatile::text FROM pg_proc p \
+                 JOIN pg_language l ON l.oid = p.prolang \
+                 JOIN pg_namespace n ON n.oid = p.pronamespace \
+                 WHERE n.nspname = $1 AND p.proname = 'db_now'",
+                &[&self.namespace],
+            )
+            .await
+            .unwrap()?;
+        let language: String = row.get(0);
+        let volatility = match row.get::<_, String>(1).as_str() {
+            "i" => "IMMUTABLE",
+            "s" => "STABLE",
+            _ => "VOLATILE",
+        };
+        Some((language, volatility))
     }
 
     async fn drop_namespace(self) {
