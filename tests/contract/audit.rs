@@ -324,7 +324,10 @@ pub async fn the_dry_run_changes_nothing_and_lists_seats_and_job_actions(s: &Tes
         capped.as_str(),
         bs.as_str(),
     ];
-    let before = snapshot(s, &["p1", "p2"], &jobs, &["q"], &[a.as_str(), b.as_str()]).await;
+    // The snapshot reads only the live session: a reader that finds a session past its
+    // deadline may end it (the seam allows it, and the PostgreSQL backend's session read
+    // does), which would leave the dry run nothing to report.
+    let before = snapshot(s, &["p1", "p2"], &jobs, &["q"], &[b.as_str()]).await;
     let metrics_before = (
         metric(s, "leasehold_seats_in_use{pool=\"p1\"}").await,
         metric(s, "leasehold_jobs{queue=\"q\",state=\"claimed\"}").await,
@@ -360,7 +363,7 @@ pub async fn the_dry_run_changes_nothing_and_lists_seats_and_job_actions(s: &Tes
     let dry2 = s.post("/v1/admin/reap", json!({"dry_run": true})).await;
     assert_eq!(dry2.body, dry.body);
     assert_eq!(
-        snapshot(s, &["p1", "p2"], &jobs, &["q"], &[a.as_str(), b.as_str()]).await,
+        snapshot(s, &["p1", "p2"], &jobs, &["q"], &[b.as_str()]).await,
         before
     );
     assert_eq!(

@@ -209,8 +209,21 @@ pub async fn waiters_keep_their_order_when_a_newcomer_reaps_the_holder_inline(s:
         // Whether or not the newcomer may take the key, the line behind it keeps its order.
         assert_eq!(s.release("k", &d, token(&dr)).await.status, 200);
     }
-    // Grants to waiters commit in the same batch as the release that freed the key, so the
-    // next holder is visible as soon as the release (or the newcomer's acquire) is answered.
+    // Where the backends differ: the embedded writer commits a waiter's grant in the same
+    // batch as the release that freed the key, so the next holder is visible as soon as the
+    // release (or the newcomer's acquire) is answered; on PostgreSQL the waiter takes the key
+    // when it is woken, so the holder is read once B is answered.
+    if !s.is_postgres() {
+        let h = holder(s, "k").await;
+        assert_eq!(
+            h.body["session_id"],
+            b.as_str(),
+            "B queued first: {}",
+            h.text
+        );
+    }
+    let got_b = answer(wait_b).await;
+    assert_eq!(got_b.status, 200, "{}", got_b.text);
     let h = holder(s, "k").await;
     assert_eq!(
         h.body["session_id"],
@@ -218,8 +231,7 @@ pub async fn waiters_keep_their_order_when_a_newcomer_reaps_the_holder_inline(s:
         "B queued first: {}",
         h.text
     );
-    let got_b = answer(wait_b).await;
-    assert_eq!(got_b.status, 200, "{}", got_b.text);
+    assert!(!wait_c.is_finished(), "C waits while B holds");
     assert_eq!(s.release("k", &b, token(&got_b)).await.status, 200);
     assert_eq!(answer(wait_c).await.status, 200);
 }
