@@ -69,7 +69,7 @@ use crate::domain::{
 };
 use crate::engine::EngineConfig;
 use crate::engine::waiting::{Resource, Waiting};
-use crate::metrics::{Metrics, ReasonLabel};
+use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
 pub use errors::{PgError, redact};
 pub use schema::MigrateError;
 use sessions::EndedRow;
@@ -156,6 +156,7 @@ pub(crate) struct Inner {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Pools and queues the gauges last showed, to remove the series of deleted ones.
     gauge_pools: Mutex<Vec<String>>,
+    gauge_queues: Mutex<Vec<String>>,
 }
 
 /// The PostgreSQL backend's handle. Cheap to clone.
@@ -296,10 +297,16 @@ impl Postgres {
                 stop: watch::channel(false).0,
                 tasks: Mutex::new(Vec::new()),
                 gauge_pools: Mutex::new(Vec::new()),
+                gauge_queues: Mutex::new(Vec::new()),
             }),
         };
         match pg.bootstrap().await {
-            Ok(()) => pg.start_tasks(),
+            Ok(()) => {
+                if let Err(e) = pg.refresh_gauges().await {
+                    tracing::debug!(error = %e, "cannot refresh the gauges");
+                }
+                pg.start_tasks();
+            }
             Err(MigrateError::Db(e)) => {
                 tracing::warn!(
                     url = %pg.inner.url,
@@ -507,9 +514,55 @@ impl Postgres {
         self.tally(&after.ended);
     }
 
+    /// Moves this node's gauges by what it changed itself; the periodic refresh brings in
+    /// what other nodes changed.
+    pub(crate) fn gauge_queue(&self, queue: &str, state: &'static str, delta: i64) {
+        {
+            let mut shown = self.inner.gauge_queues.lock();
+            if !shown.iter().any(|q| q == queue) {
+                shown.push(queue.to_string());
+            }
+        }
+        self.inner
+            .metrics
+            .jobs
+            .get_or_create(&QueueStateLabels {
+                queue: queue.into(),
+                state,
+            })
+            .inc_by(delta);
+    }
+
+    pub(crate) fn gauge_seats(&self, pool: &str, delta: i64) {
+        {
+            let mut shown = self.inner.gauge_pools.lock();
+            if !shown.iter().any(|p| p == pool) {
+                shown.push(pool.to_string());
+            }
+        }
+        self.inner
+            .metrics
+            .seats_in_use
+            .get_or_create(&PoolLabel { pool: pool.into() })
+            .inc_by(delta);
+    }
+
     pub(crate) fn tally(&self, ended: &[EndedRow]) {
         let m = &self.inner.metrics;
+        m.sessions_active.dec_by(ended.len() as i64);
         for e in ended {
+            m.locks_held.dec_by(e.keys.len() as i64);
+            for pool in &e.pools {
+                self.gauge_seats(pool, -1);
+            }
+            for queue in &e.recovered {
+                self.gauge_queue(queue, "claimed", -1);
+                self.gauge_queue(queue, "queued", 1);
+            }
+            for queue in &e.failed_queues {
+                self.gauge_queue(queue, "claimed", -1);
+                self.gauge_queue(queue, "failed", 1);
+            }
             m.sessions_ended
                 .get_or_create(&ReasonLabel {
                     reason: e.reason.as_str().into(),
@@ -564,7 +617,7 @@ impl Postgres {
     }
 
     /// Refreshes the gauges from the database: other nodes change what they count.
-    async fn refresh_gauges(&self) -> Result<()> {
+    pub(crate) async fn refresh_gauges(&self) -> Result<()> {
         let m = &self.inner.metrics;
         if let Some(row) = self
             .query_opt(
@@ -586,8 +639,14 @@ impl Postgres {
         for gone in old.iter().filter(|p| !names.contains(p)) {
             m.set_pool(gone, None);
         }
-        for (queue, counts) in self.all_queue_counts().await? {
+        let queues = self.all_queue_counts().await?;
+        let names: Vec<String> = queues.iter().map(|q| q.0.clone()).collect();
+        for (queue, counts) in queues {
             m.set_queue(&queue, counts);
+        }
+        let old = std::mem::replace(&mut *self.inner.gauge_queues.lock(), names.clone());
+        for gone in old.iter().filter(|q| !names.contains(q)) {
+            m.set_queue(gone, crate::domain::QueueCounts::default());
         }
         Ok(())
     }
@@ -681,7 +740,10 @@ pub async fn check(
          WHERE t.token > r.v LIMIT 100",
         "SELECT 'session ' || id || ' expires before it was created'
          FROM {ns}.session WHERE expires_at <= created_at LIMIT 100",
-        "SELECT 'two locks of one key ' || key FROM {ns}.lock GROUP BY key HAVING count(*) > 1",
+        "SELECT 'event ' || e.seq || ' is numbered above the event counter ' || c.last
+         FROM {ns}.event e, {ns}.event_counter c WHERE e.seq > c.last LIMIT 100",
+        "SELECT 'the event counter has ' || count(*) || ' rows, not one'
+         FROM {ns}.event_counter HAVING count(*) <> 1",
     ];
     for sql in checks {
         for row in client.query(&q(sql), &[]).await? {

@@ -132,11 +132,13 @@ impl Postgres {
         let mut total = ReapOutcome::default();
         loop {
             let pass = self.pass(true).await?.unwrap_or_default();
+            self.retention().await?;
             total.sessions += pass.sessions;
             total.locks += pass.locks;
             total.seats += pass.seats;
             total.jobs += pass.jobs;
             if pass.sessions < self.config().reaper_batch.max(1) {
+                self.refresh_gauges().await?;
                 return Ok(total);
             }
         }

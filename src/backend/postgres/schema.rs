@@ -128,6 +128,10 @@ CREATE TABLE {ns}.event (
     detail text
 );
 CREATE INDEX event_at_idx ON {ns}.event (at);
+-- The last sequence number given. Kept apart from the events so that numbers never repeat
+-- once old events are trimmed.
+CREATE TABLE {ns}.event_counter (last bigint NOT NULL);
+INSERT INTO {ns}.event_counter VALUES (0);
 
 -- Numbers committed, unnumbered events in insertion order, after every number already
 -- given. Serialised by an advisory lock held to the end of the caller's transaction: a
@@ -147,12 +151,13 @@ BEGIN
         RETURN -1;
     END IF;
     LOOP
-        SELECT coalesce(max(seq), 0) INTO base FROM {ns}.event;
+        SELECT last INTO base FROM {ns}.event_counter;
         UPDATE {ns}.event e SET seq = base + o.rn
         FROM (SELECT id, row_number() OVER (ORDER BY id) AS rn
               FROM {ns}.event WHERE seq IS NULL ORDER BY id LIMIT batch) o
         WHERE e.id = o.id;
         GET DIAGNOSTICS n = ROW_COUNT;
+        UPDATE {ns}.event_counter SET last = base + n WHERE n > 0;
         total := total + n;
         EXIT WHEN n < batch;
     END LOOP;

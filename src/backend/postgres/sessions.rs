@@ -22,7 +22,7 @@ use crate::engine::waiting::Resource;
 ///
 /// One row per ended session, in revision order: id, reason, revision, the keys released (in token order), the
 /// pools whose seat was reclaimed, the queues a job was recovered into, the reasons jobs
-/// failed.
+/// failed and their queues.
 const END: &str = r#"
 WITH target AS MATERIALIZED ({source}),
 ended AS MATERIALIZED (
@@ -82,7 +82,8 @@ gone AS (
 )
 SELECT e.id, e.reason, e.revision,
        coalesce(l.keys, '{}'::text[]), coalesce(st.pools, '{}'::text[]),
-       coalesce(j.queues, '{}'::text[]), coalesce(j.reasons, '{}'::text[])
+       coalesce(j.queues, '{}'::text[]), coalesce(j.reasons, '{}'::text[]),
+       coalesce(j.failed_queues, '{}'::text[])
 FROM ended e
 LEFT JOIN (SELECT session_id, array_agg(key::text ORDER BY token) AS keys
            FROM locks GROUP BY session_id) l ON l.session_id = e.id
@@ -90,7 +91,8 @@ LEFT JOIN (SELECT session_id, array_agg(pool::text ORDER BY pool) AS pools
            FROM seats GROUP BY session_id) st ON st.session_id = e.id
 LEFT JOIN (SELECT session_id,
                   array_agg(queue::text) FILTER (WHERE status = 'queued') AS queues,
-                  array_agg(reason) FILTER (WHERE status = 'failed') AS reasons
+                  array_agg(reason) FILTER (WHERE status = 'failed') AS reasons,
+                  array_agg(queue::text) FILTER (WHERE status = 'failed') AS failed_queues
            FROM jobs GROUP BY session_id) j ON j.session_id = e.id
 ORDER BY e.revision
 "#;
@@ -146,6 +148,7 @@ pub(crate) struct EndedRow {
     pub pools: Vec<String>,
     pub recovered: Vec<String>,
     pub failed: Vec<String>,
+    pub failed_queues: Vec<String>,
 }
 
 impl EndedRow {
@@ -162,6 +165,7 @@ impl EndedRow {
             pools: row.get(4),
             recovered: row.get(5),
             failed: row.get(6),
+            failed_queues: row.get(7),
         }
     }
 
@@ -308,6 +312,7 @@ impl Postgres {
                 BackendError::Unavailable("the session insert returned nothing".into())
             })?;
         self.inner.metrics.sessions_opened.inc();
+        self.inner.metrics.sessions_active.inc();
         Ok(OpenedSession {
             id,
             ttl_ms,
