@@ -113,7 +113,7 @@ CREATE INDEX job_finished_idx ON {ns}.job (updated_at) WHERE status IN ('done', 
 -- is assigned after commit by number_events and only ever in commit order.
 CREATE TABLE {ns}.event (
     id bigserial PRIMARY KEY,
-    seq bigint UNIQUE,
+    seq bigint,
     at timestamptz NOT NULL DEFAULT {ns}.db_now(),
     kind text NOT NULL,
     session_id uuid,
@@ -127,7 +127,10 @@ CREATE TABLE {ns}.event (
     job_id uuid,
     detail text
 );
-CREATE INDEX event_at_idx ON {ns}.event (at);
+-- Both partial, so that an insert (unnumbered) touches only the second: inserting events is
+-- on the path of every mutation and of the reaper, numbering them is not.
+CREATE UNIQUE INDEX event_seq_idx ON {ns}.event (seq) WHERE seq IS NOT NULL;
+CREATE INDEX event_unnumbered_idx ON {ns}.event (id) WHERE seq IS NULL;
 -- The last sequence number given. Kept apart from the events so that numbers never repeat
 -- once old events are trimmed.
 CREATE TABLE {ns}.event_counter (last bigint NOT NULL);
