@@ -72,7 +72,7 @@ use crate::engine::waiting::{Resource, Waiting};
 use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
 pub use errors::{PgError, redact};
 pub use schema::MigrateError;
-use sessions::EndedRow;
+use sessions::Ended;
 
 /// How to reach the database, and under which schema.
 #[derive(Debug, Clone)]
@@ -199,16 +199,14 @@ pub(crate) struct After {
     pub freed: Vec<Resource>,
     /// Too much was freed to name: every waiter is woken.
     pub everything: bool,
-    pub ended: Vec<EndedRow>,
+    pub ended: Vec<Ended>,
 }
 
 impl After {
-    pub fn ended(&mut self, rows: Vec<EndedRow>) {
-        for row in &rows {
-            self.freed.extend(row.freed());
-            self.everything |= row.listed.is_none();
-        }
-        self.ended.extend(rows);
+    pub fn ended(&mut self, ended: Ended) {
+        self.freed.extend(ended.freed());
+        self.everything |= ended.listed.is_none();
+        self.ended.push(ended);
     }
 }
 
@@ -564,10 +562,10 @@ impl Postgres {
             .inc_by(delta);
     }
 
-    pub(crate) fn tally(&self, ended: &[EndedRow]) {
+    pub(crate) fn tally(&self, ended: &[Ended]) {
         let m = &self.inner.metrics;
-        m.sessions_active.dec_by(ended.len() as i64);
         for e in ended {
+            m.sessions_active.dec_by(e.sessions() as i64);
             m.locks_held.dec_by(e.locks as i64);
             if let Some(freed) = &e.listed {
                 for pool in &freed.pools {
@@ -582,12 +580,19 @@ impl Postgres {
                     self.gauge_queue(queue, "failed", 1);
                 }
             }
-            m.sessions_ended
-                .get_or_create(&ReasonLabel {
-                    reason: e.reason.as_str().into(),
-                })
-                .inc();
-            if e.reason == EndReason::Expired {
+            for (reason, n) in [EndReason::Closed, EndReason::Expired, EndReason::Admin]
+                .into_iter()
+                .zip(e.by_reason)
+            {
+                if n > 0 {
+                    m.sessions_ended
+                        .get_or_create(&ReasonLabel {
+                            reason: reason.as_str().into(),
+                        })
+                        .inc_by(n);
+                }
+            }
+            if e.by_reason[1] as usize == e.sessions() {
                 m.locks_released_by_expiry.inc_by(e.locks as u64);
             }
             m.seats_reclaimed.inc_by(e.seats as u64);

@@ -286,7 +286,7 @@ impl Postgres {
                                         &[&pool.as_str()],
                                     )
                                     .await?;
-                                in_use -= ended.len().min(in_use);
+                                in_use -= ended.sessions().min(in_use);
                             }
                             if in_use >= capacity as usize {
                                 Seat::Full { capacity, in_use }

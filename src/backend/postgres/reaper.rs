@@ -100,7 +100,7 @@ impl Postgres {
     /// holds the reaper lock and `wait` is false.
     pub(crate) async fn pass(&self, wait: bool) -> Result<Option<ReapOutcome>> {
         let batch = self.config().reaper_batch.max(1) as i64;
-        let rows = transact!(self, |tx, after| {
+        let ended = transact!(self, |tx, after| {
             let locked = if wait {
                 self.q(&tx, LOCK, &[&self.class(), &LOCK_REAP]).await?;
                 true
@@ -115,11 +115,11 @@ impl Postgres {
                 None
             }
         })?;
-        Ok(rows.map(|rows| ReapOutcome {
-            sessions: rows.len(),
-            locks: rows.iter().map(|r| r.locks).sum(),
-            seats: rows.iter().map(|r| r.seats).sum(),
-            jobs: rows.iter().map(|r| r.recovered + r.failed.len()).sum(),
+        Ok(ended.map(|e| ReapOutcome {
+            sessions: e.sessions(),
+            locks: e.locks,
+            seats: e.seats,
+            jobs: e.recovered + e.failed.len(),
         }))
     }
 

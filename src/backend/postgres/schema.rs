@@ -110,9 +110,10 @@ CREATE INDEX job_session_idx ON {ns}.job (claim_session) WHERE claim_session IS 
 CREATE INDEX job_finished_idx ON {ns}.job (updated_at) WHERE status IN ('done', 'failed');
 
 -- The audit log. `id` is assigned at insert and may commit out of order; `seq`, the cursor,
--- is assigned after commit by number_events and only ever in commit order.
+-- is assigned after commit by number_events and only ever in commit order. `id` needs no
+-- index of its own: only unnumbered events are looked up by it.
 CREATE TABLE {ns}.event (
-    id bigserial PRIMARY KEY,
+    id bigserial NOT NULL,
     seq bigint,
     at timestamptz NOT NULL DEFAULT {ns}.db_now(),
     kind text NOT NULL,
@@ -121,7 +122,9 @@ CREATE TABLE {ns}.event (
     token bigint,
     reason text,
     owner text,
-    released jsonb,
+    -- For a session's end: the locks released with it, keys and tokens in step.
+    released_keys text[],
+    released_tokens bigint[],
     pool text,
     queue text,
     job_id uuid,

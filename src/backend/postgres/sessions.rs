@@ -11,32 +11,29 @@ use crate::backend::{BackendError, Beat, Closed, OpenedSession, Result, SessionI
 use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
 use crate::engine::waiting::Resource;
 
-/// Ends the sessions `{source}` selects (`id`, `reason`), already locked `FOR UPDATE` by
-/// that select, in one statement: each draws its revision; its claimed jobs go back to the
-/// head of their queue (idempotent, under the cap: `recovery_count + 1`) or fail
-/// (`max_recoveries_exceeded`, `not_idempotent`); its events are written in the embedded
-/// backend's order (seats reclaimed, jobs settled, then the end with the locks released);
-/// and its row is deleted, the cascade removing its locks and seats. Every sub-statement
-/// reads the snapshot the statement started with, and the cascade runs at its end, so the
-/// locks and seats read here are exactly the ones the cascade removes.
+/// Ends the sessions `{source}` selects (`id`, `ctid`, `reason`), already locked `FOR UPDATE` by
+/// that select, in one statement: the statement draws one revision (it is one mutation,
+/// however many sessions it ends); their claimed jobs go back to the head of their queue
+/// (idempotent, under the cap: `recovery_count + 1`) or fail (`max_recoveries_exceeded`,
+/// `not_idempotent`); their events are written in the embedded backend's order (per
+/// session: seats reclaimed, jobs settled, then the end with the locks released); and their
+/// rows are deleted, the cascade removing their locks and seats. Every sub-statement reads
+/// the snapshot the statement started with, and the cascade runs at its end, so the locks
+/// and seats read here are exactly the ones the cascade removes.
 ///
-/// One row per ended session, in revision order: id, reason, revision, how many locks and
-/// seats it released and jobs it recovered, the reasons jobs failed; and, when the whole
-/// statement freed no more than a notification can list one by one, the keys released (in
-/// token order), the pools whose seat was reclaimed, the queues jobs were recovered into and
-/// failed in. A mass expiry frees too many to list: everyone is woken instead.
+/// One row: sessions ended by reason, the revision, how many locks and seats were released
+/// and jobs recovered, the reasons jobs failed; and, when the statement freed no more than a
+/// notification can list one by one, the keys, the pools whose seats were reclaimed, the
+/// queues jobs were recovered into and the queues they failed in. A mass expiry frees too
+/// many to list: everyone is woken instead.
 const END: &str = r#"
 WITH target AS MATERIALIZED ({source}),
+rev AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
 ended AS MATERIALIZED (
-    SELECT id, reason, nextval('{ns}.revision') AS revision FROM target
+    SELECT id, ctid, reason, row_number() OVER () AS n FROM target
 ),
 locks AS MATERIALIZED (
     SELECT l.session_id, l.key, l.token FROM {ns}.lock l JOIN ended e ON l.session_id = e.id
-),
-lockgroups AS MATERIALIZED (
-    SELECT session_id, array_agg(key::text ORDER BY token) AS keys,
-           jsonb_agg(jsonb_build_object('key', key, 'token', token) ORDER BY token) AS list
-    FROM locks GROUP BY session_id
 ),
 seats AS MATERIALIZED (
     SELECT st.session_id, st.pool, st.token FROM {ns}.seat st JOIN ended e ON st.session_id = e.id
@@ -57,55 +54,62 @@ jobs AS (
         updated_at = {ns}.db_now()
     FROM ended e
     WHERE j.claim_session = e.id
-    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id, e.revision
+    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id, e.n
 ),
 events AS (
-    INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail, released)
-    SELECT kind, session_id, token, reason, pool, queue, job_id, detail, released FROM (
-        SELECT e.revision AS rev, 1 AS part, st.pool::text AS sort, 'seat_reclaimed' AS kind,
+    INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail,
+                            released_keys, released_tokens)
+    SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens FROM (
+        SELECT e.n, 1 AS part, st.pool::text AS sort, 'seat_reclaimed' AS kind,
                e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
-               NULL::uuid AS job_id, NULL::text AS detail, NULL::jsonb AS released
+               NULL::uuid AS job_id, NULL::text AS detail, NULL::text[] AS keys,
+               NULL::bigint[] AS tokens
         FROM seats st JOIN ended e ON e.id = st.session_id
         UNION ALL
-        SELECT j.revision, 2, j.id::text,
+        SELECT j.n, 2, j.id::text,
                CASE WHEN j.status = 'queued' THEN 'job_recovered' ELSE 'job_failed' END,
-               j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL
+               j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL, NULL
         FROM jobs j
         UNION ALL
-        SELECT e.revision, 3, '',
+        SELECT e.n, 3, '',
                CASE e.reason WHEN 'closed' THEN 'session_closed'
                              WHEN 'expired' THEN 'session_expired'
                              ELSE 'session_ended_by_admin' END,
-               e.id, NULL, e.reason, NULL, NULL, NULL, NULL, coalesce(r.list, '[]'::jsonb)
-        FROM ended e LEFT JOIN lockgroups r ON r.session_id = e.id
-    ) x ORDER BY rev, part, sort
+               e.id, NULL, e.reason, NULL, NULL, NULL, NULL,
+               coalesce(r.keys, '{}'), coalesce(r.tokens, '{}')
+        FROM ended e LEFT JOIN (
+            SELECT session_id, array_agg(key::text ORDER BY token) AS keys,
+                   array_agg(token ORDER BY token) AS tokens
+            FROM locks GROUP BY session_id
+        ) r ON r.session_id = e.id
+    ) x ORDER BY n, part, sort
 ),
+-- By the row addresses the select locked: they cannot move while the rows are locked, and a
+-- TID scan needs neither an index probe per row nor a scan of the table.
 gone AS (
-    DELETE FROM {ns}.session s USING ended e WHERE s.id = e.id
+    DELETE FROM {ns}.session WHERE ctid = ANY (ARRAY(SELECT ctid FROM ended))
 ),
-listed AS MATERIALIZED (
-    SELECT (SELECT count(*) FROM locks) + (SELECT count(*) FROM seats)
-           + (SELECT count(*) FROM jobs) <= 64 AS yes
+counts AS MATERIALIZED (
+    SELECT (SELECT count(*) FROM locks) AS locks, (SELECT count(*) FROM seats) AS seats,
+           (SELECT count(*) FROM jobs) AS jobs
 )
-SELECT e.id, e.reason, e.revision,
-       coalesce(cardinality(l.keys), 0)::bigint, coalesce(st.n, 0)::bigint,
-       coalesce(j.recovered, 0)::bigint, coalesce(j.reasons, '{}'::text[]),
-       CASE WHEN listed.yes THEN coalesce(l.keys, '{}'::text[]) END,
-       CASE WHEN listed.yes THEN coalesce(st.pools, '{}'::text[]) END,
-       CASE WHEN listed.yes THEN coalesce(j.queues, '{}'::text[]) END,
-       CASE WHEN listed.yes THEN coalesce(j.failed_queues, '{}'::text[]) END
+SELECT count(*) FILTER (WHERE e.reason = 'closed'),
+       count(*) FILTER (WHERE e.reason = 'expired'),
+       count(*) FILTER (WHERE e.reason = 'admin'),
+       (SELECT revision FROM rev),
+       (SELECT locks FROM counts), (SELECT seats FROM counts),
+       (SELECT count(*) FROM jobs WHERE status = 'queued'),
+       (SELECT coalesce(array_agg(reason), '{}') FROM jobs WHERE status = 'failed'),
+       (SELECT locks + seats + jobs <= 64 FROM counts),
+       (SELECT coalesce(array_agg(key::text), '{}') FROM locks
+        WHERE (SELECT locks + seats + jobs <= 64 FROM counts)),
+       (SELECT coalesce(array_agg(pool::text), '{}') FROM seats
+        WHERE (SELECT locks + seats + jobs <= 64 FROM counts)),
+       (SELECT coalesce(array_agg(queue::text), '{}') FROM jobs
+        WHERE status = 'queued' AND (SELECT locks + seats + jobs <= 64 FROM counts)),
+       (SELECT coalesce(array_agg(queue::text), '{}') FROM jobs
+        WHERE status = 'failed' AND (SELECT locks + seats + jobs <= 64 FROM counts))
 FROM ended e
-CROSS JOIN listed
-LEFT JOIN lockgroups l ON l.session_id = e.id
-LEFT JOIN (SELECT session_id, count(*) AS n, array_agg(pool::text ORDER BY pool) AS pools
-           FROM seats GROUP BY session_id) st ON st.session_id = e.id
-LEFT JOIN (SELECT session_id,
-                  count(*) FILTER (WHERE status = 'queued') AS recovered,
-                  array_agg(queue::text) FILTER (WHERE status = 'queued') AS queues,
-                  array_agg(reason) FILTER (WHERE status = 'failed') AS reasons,
-                  array_agg(queue::text) FILTER (WHERE status = 'failed') AS failed_queues
-           FROM jobs GROUP BY session_id) j ON j.session_id = e.id
-ORDER BY e.revision
 "#;
 
 fn end_sql(source: &str) -> String {
@@ -116,7 +120,7 @@ fn end_sql(source: &str) -> String {
 /// its deadline is recorded as what happened first: it expired.
 pub(super) static END_ONE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT id, CASE WHEN $2::text = 'closed' AND expires_at <= {ns}.db_now()
+        "SELECT id, ctid, CASE WHEN $2::text = 'closed' AND expires_at <= {ns}.db_now()
                          THEN 'expired' ELSE $2::text END AS reason
          FROM {ns}.session WHERE id = $1 FOR UPDATE",
     )
@@ -126,7 +130,7 @@ pub(super) static END_ONE: LazyLock<String> = LazyLock::new(|| {
 /// transaction changed, so a session that a heartbeat just extended is left alone.
 pub(super) static END_EXPIRED_ONE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT id, 'expired'::text AS reason FROM {ns}.session
+        "SELECT id, ctid, 'expired'::text AS reason FROM {ns}.session
          WHERE id = $1 AND expires_at <= {ns}.db_now() FOR UPDATE",
     )
 });
@@ -135,7 +139,7 @@ pub(super) static END_EXPIRED_ONE: LazyLock<String> = LazyLock::new(|| {
 /// (a pass on another node, a request of the session) are skipped, never waited for.
 pub(super) static END_DUE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT id, 'expired'::text AS reason FROM {ns}.session
+        "SELECT id, ctid, 'expired'::text AS reason FROM {ns}.session
          WHERE expires_at <= {ns}.db_now() ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
 });
@@ -143,24 +147,25 @@ pub(super) static END_DUE: LazyLock<String> = LazyLock::new(|| {
 /// Every seat holder of pool $1 past its deadline.
 pub(super) static END_EXPIRED_SEAT_HOLDERS: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT s.id, 'expired'::text AS reason FROM {ns}.session s
+        "SELECT s.id, s.ctid, 'expired'::text AS reason FROM {ns}.session s
          WHERE s.expires_at <= {ns}.db_now()
            AND s.id IN (SELECT session_id FROM {ns}.seat WHERE pool = $1)
          ORDER BY s.id FOR UPDATE OF s",
     )
 });
 
-/// A session ended by one of the statements above.
-#[derive(Debug, Clone)]
-pub(crate) struct EndedRow {
-    pub reason: EndReason,
+/// What one end statement ended and freed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Ended {
+    /// Sessions ended: closed, expired, by an operator.
+    pub by_reason: [u64; 3],
     pub revision: u64,
     pub locks: usize,
     pub seats: usize,
     pub recovered: usize,
     /// Why each failed job failed.
     pub failed: Vec<String>,
-    /// What it freed, by name; `None` when the statement freed too much to list.
+    /// What was freed, by name; `None` when too much was freed to list.
     pub listed: Option<Freed>,
 }
 
@@ -172,28 +177,27 @@ pub(crate) struct Freed {
     pub failed: Vec<String>,
 }
 
-impl EndedRow {
-    fn from_row(row: &Row) -> EndedRow {
-        let reason: String = row.get(1);
-        let keys: Option<Vec<String>> = row.get(7);
-        EndedRow {
-            reason: match reason.as_str() {
-                "closed" => EndReason::Closed,
-                "expired" => EndReason::Expired,
-                _ => EndReason::Admin,
-            },
-            revision: row.get::<_, i64>(2) as u64,
-            locks: row.get::<_, i64>(3) as usize,
-            seats: row.get::<_, i64>(4) as usize,
-            recovered: row.get::<_, i64>(5) as usize,
-            failed: row.get(6),
-            listed: keys.map(|keys| Freed {
-                keys,
-                pools: row.get::<_, Option<Vec<String>>>(8).unwrap_or_default(),
-                recovered: row.get::<_, Option<Vec<String>>>(9).unwrap_or_default(),
-                failed: row.get::<_, Option<Vec<String>>>(10).unwrap_or_default(),
+impl Ended {
+    fn from_row(row: &Row) -> Ended {
+        let count = |i| row.get::<_, i64>(i) as u64;
+        Ended {
+            by_reason: [count(0), count(1), count(2)],
+            revision: count(3),
+            locks: count(4) as usize,
+            seats: count(5) as usize,
+            recovered: count(6) as usize,
+            failed: row.get(7),
+            listed: row.get::<_, bool>(8).then(|| Freed {
+                keys: row.get(9),
+                pools: row.get(10),
+                recovered: row.get(11),
+                failed: row.get(12),
             }),
         }
+    }
+
+    pub fn sessions(&self) -> usize {
+        self.by_reason.iter().sum::<u64>() as usize
     }
 
     /// What the end made available to waiters, when listed.
@@ -209,13 +213,14 @@ impl EndedRow {
         })
     }
 
-    pub fn closed(&self) -> Closed {
-        Closed {
+    /// The answer to a close: `None` when nothing was ended.
+    pub fn closed(&self) -> Option<Closed> {
+        (self.sessions() > 0).then(|| Closed {
             released: self.locks,
             seats: self.seats,
             jobs: self.recovered + self.failed.len(),
             revision: self.revision,
-        }
+        })
     }
 }
 
@@ -308,16 +313,17 @@ impl Postgres {
         after: &mut After,
         statement: &'static LazyLock<String>,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> std::result::Result<Vec<EndedRow>, PgError> {
+    ) -> std::result::Result<Ended, PgError> {
         let sql: &'static str = statement.as_str();
-        let rows: Vec<EndedRow> = self
-            .q(tx, sql, params)
+        let ended = self
+            .q_one(tx, sql, params)
             .await?
-            .iter()
-            .map(EndedRow::from_row)
-            .collect();
-        after.ended(rows.clone());
-        Ok(rows)
+            .map(|r| Ended::from_row(&r))
+            .unwrap_or_default();
+        if ended.sessions() > 0 {
+            after.ended(ended.clone());
+        }
+        Ok(ended)
     }
 
     pub async fn open(
@@ -402,11 +408,11 @@ impl Postgres {
     }
 
     pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
-        let rows = transact!(self, |tx, after| {
+        let ended = transact!(self, |tx, after| {
             self.end_in(&tx, &mut after, &END_ONE, &[&id.0, &reason.as_str()])
                 .await?
         })?;
-        Ok(rows.first().map(EndedRow::closed))
+        Ok(ended.closed())
     }
 
     /// A live session and what it holds. One past its deadline is ended before `None`.
