@@ -16,18 +16,25 @@ use crate::domain::{EndReason, Event, EventKind, JobId, ReleasedLock, SessionId,
 const NUMBER: &str = "SELECT {ns}.number_events($1, $2, 10000)";
 
 const PAGE: &str = "
-SELECT seq, {ns}.ms(at), kind, session_id, key, token, reason, owner, released::text, pool,
-       queue, job_id, detail
+SELECT seq, {ns}.ms(at), kind, session_id, key, token, reason, owner, released_keys,
+       released_tokens, pool, queue, job_id, detail
 FROM {ns}.event WHERE seq > $1 ORDER BY seq LIMIT $2";
 
-/// Old numbered events, a bounded batch at a time.
+/// The oldest numbered events past the retention, a bounded batch at a time, from the
+/// start of the log: trimming never leaves a hole behind a cursor.
 const TRIM: &str = "
-WITH d AS (
-    DELETE FROM {ns}.event WHERE id IN (
-        SELECT id FROM {ns}.event
-        WHERE at < {ns}.db_now() - $1::bigint * interval '1 millisecond' AND seq IS NOT NULL
-        LIMIT $2)
-    RETURNING 1)
+WITH oldest AS MATERIALIZED (
+    SELECT seq, at FROM {ns}.event WHERE seq IS NOT NULL ORDER BY seq LIMIT $2
+),
+cut AS MATERIALIZED (
+    SELECT coalesce(min(seq), 9223372036854775807) AS seq FROM oldest
+    WHERE at >= {ns}.db_now() - $1::bigint * interval '1 millisecond'
+),
+d AS (
+    DELETE FROM {ns}.event
+    WHERE seq IS NOT NULL AND seq IN (SELECT oldest.seq FROM oldest, cut WHERE oldest.seq < cut.seq)
+    RETURNING 1
+)
 SELECT count(*) FROM d";
 
 fn kind(text: &str) -> Option<EventKind> {
@@ -61,12 +68,6 @@ fn reason(text: &str) -> Option<EndReason> {
         "admin" => Some(EndReason::Admin),
         _ => None,
     }
-}
-
-#[derive(serde::Deserialize)]
-struct Released {
-    key: String,
-    token: u64,
 }
 
 impl Postgres {
@@ -104,20 +105,21 @@ impl Postgres {
             e.token = r.get::<_, Option<i64>>(5).map(|t| Token(t as u64));
             e.reason = r.get::<_, Option<&str>>(6).and_then(reason);
             e.owner = r.get(7);
-            if let Some(text) = r.get::<_, Option<&str>>(8) {
-                let list: Vec<Released> = serde_json::from_str(text).unwrap_or_default();
-                e.released = list
-                    .into_iter()
-                    .map(|l| ReleasedLock {
-                        key: l.key,
-                        token: Token(l.token),
-                    })
-                    .collect();
-            }
-            e.pool = r.get(9);
-            e.queue = r.get(10);
-            e.job_id = r.get::<_, Option<uuid::Uuid>>(11).map(JobId);
-            e.detail = r.get(12);
+            let keys: Option<Vec<String>> = r.get(8);
+            let tokens: Option<Vec<i64>> = r.get(9);
+            e.released = keys
+                .unwrap_or_default()
+                .into_iter()
+                .zip(tokens.unwrap_or_default())
+                .map(|(key, t)| ReleasedLock {
+                    key,
+                    token: Token(t as u64),
+                })
+                .collect();
+            e.pool = r.get(10);
+            e.queue = r.get(11);
+            e.job_id = r.get::<_, Option<uuid::Uuid>>(12).map(JobId);
+            e.detail = r.get(13);
             events.push(e);
         }
         let next = rows.last().map(|r| r.get::<_, i64>(0) as u64);

@@ -110,10 +110,11 @@ CREATE INDEX job_session_idx ON {ns}.job (claim_session) WHERE claim_session IS 
 CREATE INDEX job_finished_idx ON {ns}.job (updated_at) WHERE status IN ('done', 'failed');
 
 -- The audit log. `id` is assigned at insert and may commit out of order; `seq`, the cursor,
--- is assigned after commit by number_events and only ever in commit order.
+-- is assigned after commit by number_events and only ever in commit order. `id` needs no
+-- index of its own: only unnumbered events are looked up by it.
 CREATE TABLE {ns}.event (
-    id bigserial PRIMARY KEY,
-    seq bigint UNIQUE,
+    id bigserial NOT NULL,
+    seq bigint,
     at timestamptz NOT NULL DEFAULT {ns}.db_now(),
     kind text NOT NULL,
     session_id uuid,
@@ -121,13 +122,22 @@ CREATE TABLE {ns}.event (
     token bigint,
     reason text,
     owner text,
-    released jsonb,
+    -- For a session's end: the locks released with it, keys and tokens in step.
+    released_keys text[],
+    released_tokens bigint[],
     pool text,
     queue text,
     job_id uuid,
     detail text
 );
-CREATE INDEX event_at_idx ON {ns}.event (at);
+-- Both partial, so that an insert (unnumbered) touches only the second: inserting events is
+-- on the path of every mutation and of the reaper, numbering them is not.
+CREATE UNIQUE INDEX event_seq_idx ON {ns}.event (seq) WHERE seq IS NOT NULL;
+CREATE INDEX event_unnumbered_idx ON {ns}.event (id) WHERE seq IS NULL;
+-- The last sequence number given. Kept apart from the events so that numbers never repeat
+-- once old events are trimmed.
+CREATE TABLE {ns}.event_counter (last bigint NOT NULL);
+INSERT INTO {ns}.event_counter VALUES (0);
 
 -- Numbers committed, unnumbered events in insertion order, after every number already
 -- given. Serialised by an advisory lock held to the end of the caller's transaction: a
@@ -147,12 +157,13 @@ BEGIN
         RETURN -1;
     END IF;
     LOOP
-        SELECT coalesce(max(seq), 0) INTO base FROM {ns}.event;
+        SELECT last INTO base FROM {ns}.event_counter;
         UPDATE {ns}.event e SET seq = base + o.rn
         FROM (SELECT id, row_number() OVER (ORDER BY id) AS rn
               FROM {ns}.event WHERE seq IS NULL ORDER BY id LIMIT batch) o
         WHERE e.id = o.id;
         GET DIAGNOSTICS n = ROW_COUNT;
+        UPDATE {ns}.event_counter SET last = base + n WHERE n > 0;
         total := total + n;
         EXIT WHEN n < batch;
     END LOOP;

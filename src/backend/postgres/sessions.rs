@@ -11,22 +11,26 @@ use crate::backend::{BackendError, Beat, Closed, OpenedSession, Result, SessionI
 use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
 use crate::engine::waiting::Resource;
 
-/// Ends the sessions `{source}` selects (`id`, `reason`), already locked `FOR UPDATE` by
-/// that select, in one statement: each draws its revision; its claimed jobs go back to the
-/// head of their queue (idempotent, under the cap: `recovery_count + 1`) or fail
-/// (`max_recoveries_exceeded`, `not_idempotent`); its events are written in the embedded
-/// backend's order (seats reclaimed, jobs settled, then the end with the locks released);
-/// and its row is deleted, the cascade removing its locks and seats. Every sub-statement
-/// reads the snapshot the statement started with, and the cascade runs at its end, so the
-/// locks and seats read here are exactly the ones the cascade removes.
+/// Ends the sessions `{source}` selects (`id`, `ctid`, `reason`), already locked `FOR UPDATE` by
+/// that select, in one statement: the statement draws one revision (it is one mutation,
+/// however many sessions it ends); their claimed jobs go back to the head of their queue
+/// (idempotent, under the cap: `recovery_count + 1`) or fail (`max_recoveries_exceeded`,
+/// `not_idempotent`); their events are written in the embedded backend's order (per
+/// session: seats reclaimed, jobs settled, then the end with the locks released); and their
+/// rows are deleted, the cascade removing their locks and seats. Every sub-statement reads
+/// the snapshot the statement started with, and the cascade runs at its end, so the locks
+/// and seats read here are exactly the ones the cascade removes.
 ///
-/// One row per ended session, in revision order: id, reason, revision, the keys released (in token order), the
-/// pools whose seat was reclaimed, the queues a job was recovered into, the reasons jobs
-/// failed.
+/// One row: sessions ended by reason, the revision, how many locks and seats were released
+/// and jobs recovered, the reasons jobs failed; and, when the statement freed no more than a
+/// notification can list one by one, the keys, the pools whose seats were reclaimed, the
+/// queues jobs were recovered into and the queues they failed in. A mass expiry frees too
+/// many to list: everyone is woken instead.
 const END: &str = r#"
 WITH target AS MATERIALIZED ({source}),
+rev AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
 ended AS MATERIALIZED (
-    SELECT id, reason, nextval('{ns}.revision') AS revision FROM target
+    SELECT id, ctid, reason, row_number() OVER () AS n FROM target
 ),
 locks AS MATERIALIZED (
     SELECT l.session_id, l.key, l.token FROM {ns}.lock l JOIN ended e ON l.session_id = e.id
@@ -50,49 +54,62 @@ jobs AS (
         updated_at = {ns}.db_now()
     FROM ended e
     WHERE j.claim_session = e.id
-    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id, e.revision
+    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id, e.n
 ),
 events AS (
-    INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail, released)
-    SELECT kind, session_id, token, reason, pool, queue, job_id, detail, released FROM (
-        SELECT e.revision AS rev, 1 AS part, st.pool::text AS sort, 'seat_reclaimed' AS kind,
+    INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail,
+                            released_keys, released_tokens)
+    SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens FROM (
+        SELECT e.n, 1 AS part, st.pool::text AS sort, 'seat_reclaimed' AS kind,
                e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
-               NULL::uuid AS job_id, NULL::text AS detail, NULL::jsonb AS released
+               NULL::uuid AS job_id, NULL::text AS detail, NULL::text[] AS keys,
+               NULL::bigint[] AS tokens
         FROM seats st JOIN ended e ON e.id = st.session_id
         UNION ALL
-        SELECT j.revision, 2, j.id::text,
+        SELECT j.n, 2, j.id::text,
                CASE WHEN j.status = 'queued' THEN 'job_recovered' ELSE 'job_failed' END,
-               j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL
+               j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL, NULL
         FROM jobs j
         UNION ALL
-        SELECT e.revision, 3, '',
+        SELECT e.n, 3, '',
                CASE e.reason WHEN 'closed' THEN 'session_closed'
                              WHEN 'expired' THEN 'session_expired'
                              ELSE 'session_ended_by_admin' END,
-               e.id, NULL, e.reason, NULL, NULL, NULL, NULL, coalesce(r.list, '[]'::jsonb)
+               e.id, NULL, e.reason, NULL, NULL, NULL, NULL,
+               coalesce(r.keys, '{}'), coalesce(r.tokens, '{}')
         FROM ended e LEFT JOIN (
-            SELECT session_id,
-                   jsonb_agg(jsonb_build_object('key', key, 'token', token) ORDER BY token) AS list
+            SELECT session_id, array_agg(key::text ORDER BY token) AS keys,
+                   array_agg(token ORDER BY token) AS tokens
             FROM locks GROUP BY session_id
         ) r ON r.session_id = e.id
-    ) x ORDER BY rev, part, sort
+    ) x ORDER BY n, part, sort
 ),
+-- By the row addresses the select locked: they cannot move while the rows are locked, and a
+-- TID scan needs neither an index probe per row nor a scan of the table.
 gone AS (
-    DELETE FROM {ns}.session s USING ended e WHERE s.id = e.id
+    DELETE FROM {ns}.session WHERE ctid = ANY (ARRAY(SELECT ctid FROM ended))
+),
+counts AS MATERIALIZED (
+    SELECT (SELECT count(*) FROM locks) AS locks, (SELECT count(*) FROM seats) AS seats,
+           (SELECT count(*) FROM jobs) AS jobs
 )
-SELECT e.id, e.reason, e.revision,
-       coalesce(l.keys, '{}'::text[]), coalesce(st.pools, '{}'::text[]),
-       coalesce(j.queues, '{}'::text[]), coalesce(j.reasons, '{}'::text[])
+SELECT count(*) FILTER (WHERE e.reason = 'closed'),
+       count(*) FILTER (WHERE e.reason = 'expired'),
+       count(*) FILTER (WHERE e.reason = 'admin'),
+       (SELECT revision FROM rev),
+       (SELECT locks FROM counts), (SELECT seats FROM counts),
+       (SELECT count(*) FROM jobs WHERE status = 'queued'),
+       (SELECT coalesce(array_agg(reason), '{}') FROM jobs WHERE status = 'failed'),
+       (SELECT locks + seats + jobs <= 64 FROM counts),
+       (SELECT coalesce(array_agg(key::text), '{}') FROM locks
+        WHERE (SELECT locks + seats + jobs <= 64 FROM counts)),
+       (SELECT coalesce(array_agg(pool::text), '{}') FROM seats
+        WHERE (SELECT locks + seats + jobs <= 64 FROM counts)),
+       (SELECT coalesce(array_agg(queue::text), '{}') FROM jobs
+        WHERE status = 'queued' AND (SELECT locks + seats + jobs <= 64 FROM counts)),
+       (SELECT coalesce(array_agg(queue::text), '{}') FROM jobs
+        WHERE status = 'failed' AND (SELECT locks + seats + jobs <= 64 FROM counts))
 FROM ended e
-LEFT JOIN (SELECT session_id, array_agg(key::text ORDER BY token) AS keys
-           FROM locks GROUP BY session_id) l ON l.session_id = e.id
-LEFT JOIN (SELECT session_id, array_agg(pool::text ORDER BY pool) AS pools
-           FROM seats GROUP BY session_id) st ON st.session_id = e.id
-LEFT JOIN (SELECT session_id,
-                  array_agg(queue::text) FILTER (WHERE status = 'queued') AS queues,
-                  array_agg(reason) FILTER (WHERE status = 'failed') AS reasons
-           FROM jobs GROUP BY session_id) j ON j.session_id = e.id
-ORDER BY e.revision
 "#;
 
 fn end_sql(source: &str) -> String {
@@ -103,7 +120,7 @@ fn end_sql(source: &str) -> String {
 /// its deadline is recorded as what happened first: it expired.
 pub(super) static END_ONE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT id, CASE WHEN $2::text = 'closed' AND expires_at <= {ns}.db_now()
+        "SELECT id, ctid, CASE WHEN $2::text = 'closed' AND expires_at <= {ns}.db_now()
                          THEN 'expired' ELSE $2::text END AS reason
          FROM {ns}.session WHERE id = $1 FOR UPDATE",
     )
@@ -113,7 +130,7 @@ pub(super) static END_ONE: LazyLock<String> = LazyLock::new(|| {
 /// transaction changed, so a session that a heartbeat just extended is left alone.
 pub(super) static END_EXPIRED_ONE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT id, 'expired'::text AS reason FROM {ns}.session
+        "SELECT id, ctid, 'expired'::text AS reason FROM {ns}.session
          WHERE id = $1 AND expires_at <= {ns}.db_now() FOR UPDATE",
     )
 });
@@ -122,7 +139,7 @@ pub(super) static END_EXPIRED_ONE: LazyLock<String> = LazyLock::new(|| {
 /// (a pass on another node, a request of the session) are skipped, never waited for.
 pub(super) static END_DUE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT id, 'expired'::text AS reason FROM {ns}.session
+        "SELECT id, ctid, 'expired'::text AS reason FROM {ns}.session
          WHERE expires_at <= {ns}.db_now() ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
 });
@@ -130,59 +147,80 @@ pub(super) static END_DUE: LazyLock<String> = LazyLock::new(|| {
 /// Every seat holder of pool $1 past its deadline.
 pub(super) static END_EXPIRED_SEAT_HOLDERS: LazyLock<String> = LazyLock::new(|| {
     end_sql(
-        "SELECT s.id, 'expired'::text AS reason FROM {ns}.session s
+        "SELECT s.id, s.ctid, 'expired'::text AS reason FROM {ns}.session s
          WHERE s.expires_at <= {ns}.db_now()
            AND s.id IN (SELECT session_id FROM {ns}.seat WHERE pool = $1)
          ORDER BY s.id FOR UPDATE OF s",
     )
 });
 
-/// A session ended by one of the statements above.
-#[derive(Debug, Clone)]
-pub(crate) struct EndedRow {
-    pub reason: EndReason,
+/// What one end statement ended and freed.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Ended {
+    /// Sessions ended: closed, expired, by an operator.
+    pub by_reason: [u64; 3],
     pub revision: u64,
+    pub locks: usize,
+    pub seats: usize,
+    pub recovered: usize,
+    /// Why each failed job failed.
+    pub failed: Vec<String>,
+    /// What was freed, by name; `None` when too much was freed to list.
+    pub listed: Option<Freed>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Freed {
     pub keys: Vec<String>,
     pub pools: Vec<String>,
     pub recovered: Vec<String>,
     pub failed: Vec<String>,
 }
 
-impl EndedRow {
-    fn from_row(row: &Row) -> EndedRow {
-        let reason: String = row.get(1);
-        EndedRow {
-            reason: match reason.as_str() {
-                "closed" => EndReason::Closed,
-                "expired" => EndReason::Expired,
-                _ => EndReason::Admin,
-            },
-            revision: row.get::<_, i64>(2) as u64,
-            keys: row.get(3),
-            pools: row.get(4),
-            recovered: row.get(5),
-            failed: row.get(6),
+impl Ended {
+    fn from_row(row: &Row) -> Ended {
+        let count = |i| row.get::<_, i64>(i) as u64;
+        Ended {
+            by_reason: [count(0), count(1), count(2)],
+            revision: count(3),
+            locks: count(4) as usize,
+            seats: count(5) as usize,
+            recovered: count(6) as usize,
+            failed: row.get(7),
+            listed: row.get::<_, bool>(8).then(|| Freed {
+                keys: row.get(9),
+                pools: row.get(10),
+                recovered: row.get(11),
+                failed: row.get(12),
+            }),
         }
     }
 
-    /// What the end made available to waiters.
+    pub fn sessions(&self) -> usize {
+        self.by_reason.iter().sum::<u64>() as usize
+    }
+
+    /// What the end made available to waiters, when listed.
     pub fn freed(&self) -> impl Iterator<Item = Resource> + '_ {
         let named = |text: &String| crate::domain::LockKey::parse("key", text).ok();
-        self.keys
-            .iter()
-            .filter_map(named)
-            .map(Resource::Lock)
-            .chain(self.pools.iter().filter_map(named).map(Resource::Pool))
-            .chain(self.recovered.iter().filter_map(named).map(Resource::Queue))
+        self.listed.iter().flat_map(move |f| {
+            f.keys
+                .iter()
+                .filter_map(named)
+                .map(Resource::Lock)
+                .chain(f.pools.iter().filter_map(named).map(Resource::Pool))
+                .chain(f.recovered.iter().filter_map(named).map(Resource::Queue))
+        })
     }
 
-    pub fn closed(&self) -> Closed {
-        Closed {
-            released: self.keys.len(),
-            seats: self.pools.len(),
-            jobs: self.recovered.len() + self.failed.len(),
+    /// The answer to a close: `None` when nothing was ended.
+    pub fn closed(&self) -> Option<Closed> {
+        (self.sessions() > 0).then(|| Closed {
+            released: self.locks,
+            seats: self.seats,
+            jobs: self.recovered + self.failed.len(),
             revision: self.revision,
-        }
+        })
     }
 }
 
@@ -275,16 +313,17 @@ impl Postgres {
         after: &mut After,
         statement: &'static LazyLock<String>,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> std::result::Result<Vec<EndedRow>, PgError> {
+    ) -> std::result::Result<Ended, PgError> {
         let sql: &'static str = statement.as_str();
-        let rows: Vec<EndedRow> = self
-            .q(tx, sql, params)
+        let ended = self
+            .q_one(tx, sql, params)
             .await?
-            .iter()
-            .map(EndedRow::from_row)
-            .collect();
-        after.ended(rows.clone());
-        Ok(rows)
+            .map(|r| Ended::from_row(&r))
+            .unwrap_or_default();
+        if ended.sessions() > 0 {
+            after.ended(ended.clone());
+        }
+        Ok(ended)
     }
 
     pub async fn open(
@@ -308,6 +347,7 @@ impl Postgres {
                 BackendError::Unavailable("the session insert returned nothing".into())
             })?;
         self.inner.metrics.sessions_opened.inc();
+        self.inner.metrics.sessions_active.inc();
         Ok(OpenedSession {
             id,
             ttl_ms,
@@ -368,11 +408,11 @@ impl Postgres {
     }
 
     pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
-        let rows = transact!(self, |tx, after| {
+        let ended = transact!(self, |tx, after| {
             self.end_in(&tx, &mut after, &END_ONE, &[&id.0, &reason.as_str()])
                 .await?
         })?;
-        Ok(rows.first().map(EndedRow::closed))
+        Ok(ended.closed())
     }
 
     /// A live session and what it holds. One past its deadline is ended before `None`.
