@@ -57,7 +57,7 @@ async fn client_commands_talk_to_a_running_server() {
     let (code, out, _) = run(cmd(&["jobs", "queue", "builds"])).await.unwrap();
     assert_eq!(code, 0);
     assert!(out.contains("\"queued\": 0"), "{out}");
-    s.advance(60_000);
+    s.advance(60_000).await;
     let (code, out, _) = run(cmd(&["reap", "--dry-run"])).await.unwrap();
     assert_eq!(code, 0);
     assert!(out.contains(&a) && out.contains("db/migrate"), "{out}");

@@ -274,11 +274,11 @@ async fn live_sessions_get_the_restart_grace() {
     assert_eq!(r.status, 200, "{}", r.text);
     let ta = token_of(&s.acquire("grace/a", &a).await);
 
-    s.advance(4_000);
+    s.advance(4_000).await;
     s.restart().await; // at 4000
 
     // 8000 since the last heartbeat, but only 4000 since the restart.
-    s.advance(4_000);
+    s.advance(4_000).await;
     let r = s.heartbeat(&a).await;
     assert_eq!(r.status, 200, "alice lost her restart grace: {}", r.text);
     assert_eq!(r.body["expires_at"], WALL0 + 8_000 + 5_000);
@@ -297,15 +297,15 @@ async fn live_sessions_get_the_restart_grace() {
 
     // 5000 since the restart: bob, who never heartbeated, is gone; the grace is one TTL,
     // not more.
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_gone(&s.heartbeat(&b).await, "bob, 5000 after the restart");
     assert_gone(&session(&s, &b).await, "bob, 5000 after the restart");
     assert_eq!(session(&s, &a).await.status, 200);
 
     // Alice's heartbeat at 8000 carries her to 13000, not further.
-    s.advance(3_999);
+    s.advance(3_999).await;
     assert_eq!(s.heartbeat(&a).await.status, 200); // at 12999: now up to 17999
-    s.advance(5_000);
+    s.advance(5_000).await;
     assert_gone(
         &s.heartbeat(&a).await,
         "alice, 5000 after her last heartbeat",
@@ -367,7 +367,7 @@ async fn an_expired_session_stays_gone_after_a_restart() {
     let mut s = TestServer::start().await;
     let a = s.open("alice", 1_000).await;
     let ta = token_of(&s.acquire("expired/a", &a).await);
-    s.advance(1_000);
+    s.advance(1_000).await;
     assert_gone(&s.heartbeat(&a).await, "alice at her deadline");
     let fence = s
         .get(&format!("/v1/fence/{}?token={ta}", segment("expired/a")))

@@ -14,7 +14,7 @@ async fn open_lock_expire_reap() {
         .get(&format!("/v1/fence/db%2Fmigrate?token={token}"))
         .await;
     assert_eq!(fence.body["current"], true);
-    s.advance(2_000);
+    s.advance(2_000).await;
     let reaped = s.reap().await;
     assert_eq!(reaped.body["sessions_ended"], 1);
     assert_eq!(reaped.body["locks_released"], 1);
