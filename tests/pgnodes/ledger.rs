@@ -6,7 +6,7 @@
 //! commit the statement it was running — so a doubt is resolved only by what the database
 //! shows once the load has stopped, and it may resolve either way; nothing else may differ.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ pub fn key_name(k: usize) -> String {
     format!("load/{k}")
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Doubt {
     /// `floor`: the highest token acknowledged when the request was sent.
     Acquire {
@@ -65,7 +65,12 @@ pub struct Ledger {
     pub open: BTreeSet<String>,
     /// Sessions acknowledged closed.
     pub closed: BTreeSet<String>,
+    /// Requests whose outcome is not known: in flight (releases and closes are entered
+    /// before they are sent), or never answered.
     pub doubts: Vec<Doubt>,
+    /// Grants taken over by a later grant of their key while their release (or their
+    /// session's close) was in flight: token → (key, session).
+    pub superseded: HashMap<u64, (usize, String)>,
     pub violations: Vec<String>,
     pub stats: Stats,
 }
@@ -81,6 +86,7 @@ impl Ledger {
             open: BTreeSet::new(),
             closed: BTreeSet::new(),
             doubts: Vec::new(),
+            superseded: HashMap::new(),
             violations: Vec::new(),
             stats: Stats::default(),
         }
@@ -154,8 +160,15 @@ impl Ledger {
                 ));
             }
             self.live[key].remove(&t);
+            self.superseded.insert(t, (key, s));
         }
         self.live[key].insert(token, session.to_string());
+    }
+
+    fn settle(&mut self, d: &Doubt) {
+        if let Some(i) = self.doubts.iter().position(|x| x == d) {
+            self.doubts.remove(i);
+        }
     }
 
     pub fn ack_acquire(&mut self, key: usize, session: &str, token: u64, floor: u64) {
@@ -165,7 +178,11 @@ impl Ledger {
     }
 
     pub fn ack_release(&mut self, key: usize, session: &str, token: u64) {
-        match self.live[key].remove(&token) {
+        self.settle(&Doubt::Release { key, token });
+        let found = self.live[key]
+            .remove(&token)
+            .or_else(|| self.superseded.remove(&token).map(|(_, s)| s));
+        match found {
             Some(s) if s == session => {}
             other => self.violation(format!(
                 "release of {} token {token} by {session} was acknowledged, but the ledger had \
@@ -182,7 +199,15 @@ impl Ledger {
     }
 
     pub fn ack_close(&mut self, session: &str, released: u64) {
-        let held = self.holdings(session);
+        self.settle(&Doubt::Close {
+            session: session.to_string(),
+        });
+        let mut held = self.holdings(session);
+        for (t, (k, s)) in &self.superseded {
+            if s == session {
+                held.insert(*k, *t);
+            }
+        }
         if held.len() as u64 != released {
             self.violation(format!(
                 "closing {session} released {released} locks, but it held {held:?}"
@@ -190,6 +215,7 @@ impl Ledger {
         }
         for (k, t) in held {
             self.live[k].remove(&t);
+            self.superseded.remove(&t);
         }
         self.open.remove(session);
         self.closed.insert(session.to_string());
@@ -200,6 +226,7 @@ impl Ledger {
         for k in 0..self.keys {
             self.live[k].retain(|_, s| s != session);
         }
+        self.superseded.retain(|_, (_, s)| s != session);
         self.open.remove(session);
         self.closed.insert(session.to_string());
     }
@@ -267,6 +294,12 @@ impl Worker {
         body: Option<Value>,
         doubt: Option<Doubt>,
     ) -> Step {
+        // A release or close is in doubt from before it is sent: another client may be
+        // granted the key and say so before this one hears back.
+        let early = matches!(doubt, Some(Doubt::Release { .. } | Doubt::Close { .. }));
+        if early && let Some(d) = &doubt {
+            self.ledger.lock().unwrap().doubts.push(d.clone());
+        }
         self.in_flight.0.fetch_add(1, Ordering::SeqCst);
         let outcome = send(&self.client, method.clone(), path, body.as_ref()).await;
         self.in_flight.0.fetch_sub(1, Ordering::SeqCst);
@@ -292,8 +325,12 @@ impl Worker {
                 self.id
             ));
         }
-        if unknown && let Some(d) = doubt {
-            l.doubts.push(d);
+        if let Some(d) = doubt {
+            if !unknown {
+                l.settle(&d);
+            } else if !early {
+                l.doubts.push(d);
+            }
         }
         Step::Stop(unknown)
     }
@@ -542,6 +579,7 @@ pub async fn verify(node: &Node, l: &mut Ledger, what: &str) {
         }
     }
     l.doubts.clear();
+    l.superseded.clear();
 
     // Every acknowledged session is there and holds exactly what the ledger says.
     let open: Vec<String> = l.open.iter().cloned().collect();
