@@ -204,6 +204,8 @@ pub struct NodeSpec {
     pub namespace: String,
     pub reaper: bool,
     pub reaper_interval_ms: u64,
+    /// Connections the node may open: the shared server serves other tests too.
+    pub pool_size: usize,
     pub extra: Vec<String>,
     pub log: PathBuf,
     pub data_dir: PathBuf,
@@ -217,6 +219,7 @@ impl NodeSpec {
             namespace: schema.name.clone(),
             reaper: false,
             reaper_interval_ms: 1000,
+            pool_size: 6,
             extra: Vec::new(),
             log: logs.join(format!("{name}.log")),
             data_dir: logs.join(format!("{name}-data")),
@@ -261,6 +264,7 @@ impl Node {
                     if spec.reaper { "true" } else { "false" },
                 ])
                 .args(["--reaper-interval-ms", &spec.reaper_interval_ms.to_string()])
+                .args(["--postgres-pool-size", &spec.pool_size.to_string()])
                 .args(["--log-level", "info"])
                 .args(&spec.extra)
                 .stdin(Stdio::null())
