@@ -11,8 +11,9 @@ use tokio::task::JoinHandle;
 
 use crate::backend::embedded::store::{Store, StoreError};
 use crate::backend::embedded::{Embedded, StartError};
+use crate::backend::postgres::{self, PgSettings, Postgres};
 use crate::clock::Clock;
-use crate::config::Config;
+use crate::config::{BackendKind, Config};
 use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::server::{self, ServerLimits};
@@ -23,6 +24,8 @@ pub enum AppError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Start(#[from] StartError),
+    #[error(transparent)]
+    Postgres(#[from] postgres::StartError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -39,10 +42,27 @@ pub struct App {
 }
 
 impl App {
-    /// Opens the store in `config.data_dir` and starts serving.
+    /// Starts the configured backend and serves: the embedded store in `config.data_dir`,
+    /// or PostgreSQL at `config.postgres_url` (started even while the database is
+    /// unreachable, unready until it is reached).
     pub async fn start(config: &Config, clock: Arc<dyn Clock>) -> Result<App, AppError> {
-        let store = Store::open(&config.data_dir, config.cache_size_bytes)?;
-        App::start_with_store(config, clock, store).await
+        match config.backend {
+            BackendKind::Embedded => {
+                let store = Store::open(&config.data_dir, config.cache_size_bytes)?;
+                App::start_with_store(config, clock, store).await
+            }
+            BackendKind::Postgres => {
+                let metrics = Arc::new(Metrics::new());
+                let backend = Postgres::start(
+                    config.engine(),
+                    PgSettings::from_config(config),
+                    clock,
+                    metrics,
+                )
+                .await?;
+                App::serve(config, Engine::from(backend)).await
+            }
+        }
     }
 
     /// Starts serving on an already opened store (tests inject failing storage this way).
@@ -53,6 +73,10 @@ impl App {
     ) -> Result<App, AppError> {
         let metrics = Arc::new(Metrics::new());
         let engine = Engine::from(Embedded::start(config.engine(), store, clock, metrics)?);
+        App::serve(config, engine).await
+    }
+
+    async fn serve(config: &Config, engine: Engine) -> Result<App, AppError> {
         let listener = match TcpListener::bind(config.listen).await {
             Ok(l) => l,
             Err(source) => {

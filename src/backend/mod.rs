@@ -18,6 +18,7 @@
 //! a session past its deadline may end it, durably, before it answers "gone".
 
 pub mod embedded;
+pub mod postgres;
 
 use std::future::Future;
 use std::sync::Arc;

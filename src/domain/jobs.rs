@@ -100,6 +100,30 @@ pub struct NewJob {
     pub kind: Option<String>,
 }
 
+impl NewJob {
+    /// Checks the payload and kind sizes and the recovery cap; returns the cap and kind the
+    /// job will have.
+    pub fn checked(&self) -> Result<(u32, String), InvalidInput> {
+        check_text("payload", &self.payload, MAX_PAYLOAD_BYTES)?;
+        let max_recoveries = self.max_recoveries.unwrap_or(DEFAULT_MAX_RECOVERIES);
+        if max_recoveries > MAX_RECOVERIES {
+            return Err(InvalidInput::new(
+                "max_recoveries",
+                format!("must be at most {MAX_RECOVERIES}"),
+            ));
+        }
+        let kind = self.kind.clone().unwrap_or_default();
+        check_text("kind", &kind, MAX_KIND_BYTES)?;
+        if kind.chars().any(char::is_control) {
+            return Err(InvalidInput::new(
+                "kind",
+                "must not contain control characters",
+            ));
+        }
+        Ok((max_recoveries, kind))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     pub job: JobId,
@@ -125,6 +149,17 @@ pub enum Finish {
     },
     /// Back to the head of the queue, no recovery counted (a worker draining).
     Release,
+}
+
+impl Finish {
+    /// Checks the result and reason sizes.
+    pub fn check(&self) -> Result<(), InvalidInput> {
+        match self {
+            Finish::Complete { result } => check_text("result", result, MAX_RESULT_BYTES),
+            Finish::Fail { reason } => check_text("reason", reason, MAX_REASON_BYTES),
+            Finish::Release => Ok(()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -298,22 +333,7 @@ impl State {
         at: At,
         fx: &mut Effects,
     ) -> Result<u64, InvalidInput> {
-        check_text("payload", &new.payload, MAX_PAYLOAD_BYTES)?;
-        let max_recoveries = new.max_recoveries.unwrap_or(DEFAULT_MAX_RECOVERIES);
-        if max_recoveries > MAX_RECOVERIES {
-            return Err(InvalidInput::new(
-                "max_recoveries",
-                format!("must be at most {MAX_RECOVERIES}"),
-            ));
-        }
-        let kind = new.kind.unwrap_or_default();
-        check_text("kind", &kind, MAX_KIND_BYTES)?;
-        if kind.chars().any(char::is_control) {
-            return Err(InvalidInput::new(
-                "kind",
-                "must not contain control characters",
-            ));
-        }
+        let (max_recoveries, kind) = new.checked()?;
         debug_assert!(!self.jobs.contains_key(&id), "job ids are never reused");
         let queue = self
             .queues
@@ -410,11 +430,7 @@ impl State {
         at: At,
         fx: &mut Effects,
     ) -> Result<u64, JobError> {
-        match &finish {
-            Finish::Complete { result } => check_text("result", result, MAX_RESULT_BYTES)?,
-            Finish::Fail { reason } => check_text("reason", reason, MAX_REASON_BYTES)?,
-            Finish::Release => {}
-        }
+        finish.check()?;
         if !self.jobs.contains_key(&job_id) {
             return Err(JobError::NotFound);
         }

@@ -1,11 +1,14 @@
-//! Above the seam: the settings every backend shares, reaper pass pacing, and [`Engine`], the
-//! one handle the API and the CLI call, which hands each operation to the configured backend.
+//! Above the seam: the settings every backend shares, reaper pass pacing, node-local waiting
+//! for backends on a shared database, and [`Engine`], the one handle the API and the CLI
+//! call, which hands each operation to the configured backend.
 
 pub mod pacing;
+pub mod waiting;
 
 use std::sync::Arc;
 
 use crate::backend::embedded::Embedded;
+use crate::backend::postgres::Postgres;
 use crate::backend::{
     Backend, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage, LockPage,
     OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
@@ -54,6 +57,7 @@ impl Default for EngineConfig {
 #[derive(Clone)]
 pub enum Engine {
     Embedded(Embedded),
+    Postgres(Postgres),
 }
 
 /// Runs `$call` on whichever backend `$engine` holds.
@@ -61,6 +65,7 @@ macro_rules! each {
     ($engine:expr, $b:ident => $call:expr) => {
         match $engine {
             Engine::Embedded($b) => $call,
+            Engine::Postgres($b) => $call,
         }
     };
 }
@@ -68,6 +73,12 @@ macro_rules! each {
 impl From<Embedded> for Engine {
     fn from(b: Embedded) -> Engine {
         Engine::Embedded(b)
+    }
+}
+
+impl From<Postgres> for Engine {
+    fn from(b: Postgres) -> Engine {
+        Engine::Postgres(b)
     }
 }
 

@@ -1,0 +1,141 @@
+//! The audit log: numbering and reading.
+//!
+//! A sequence number taken at insert would be assigned in insert order but become visible
+//! in commit order: a reader past 11 would never see a 10 that commits after 11. So events
+//! are inserted without one, and `number_events` (a plpgsql function of the schema) numbers
+//! committed events afterwards, one numbering at a time across nodes (an advisory lock held
+//! to the end of its transaction), each after every number already given. Readers see only
+//! numbered events, so the cursor can never pass an event that has yet to appear. Numbering
+//! runs before every read, so an event a client was answered about is readable at once, and
+//! in the background on every node.
+
+use super::Postgres;
+use crate::backend::Result;
+use crate::domain::{EndReason, Event, EventKind, JobId, ReleasedLock, SessionId, Token, UnixMs};
+
+const NUMBER: &str = "SELECT {ns}.number_events($1, $2, 10000)";
+
+const PAGE: &str = "
+SELECT seq, {ns}.ms(at), kind, session_id, key, token, reason, owner, released::text, pool,
+       queue, job_id, detail
+FROM {ns}.event WHERE seq > $1 ORDER BY seq LIMIT $2";
+
+/// Old numbered events, a bounded batch at a time.
+const TRIM: &str = "
+WITH d AS (
+    DELETE FROM {ns}.event WHERE id IN (
+        SELECT id FROM {ns}.event
+        WHERE at < {ns}.db_now() - $1::bigint * interval '1 millisecond' AND seq IS NOT NULL
+        LIMIT $2)
+    RETURNING 1)
+SELECT count(*) FROM d";
+
+fn kind(text: &str) -> Option<EventKind> {
+    Some(match text {
+        "session_opened" => EventKind::SessionOpened,
+        "session_closed" => EventKind::SessionClosed,
+        "session_expired" => EventKind::SessionExpired,
+        "session_ended_by_admin" => EventKind::SessionEndedByAdmin,
+        "lock_acquired" => EventKind::LockAcquired,
+        "lock_released" => EventKind::LockReleased,
+        "pool_put" => EventKind::PoolPut,
+        "pool_deleted" => EventKind::PoolDeleted,
+        "seat_acquired" => EventKind::SeatAcquired,
+        "seat_released" => EventKind::SeatReleased,
+        "seat_reclaimed" => EventKind::SeatReclaimed,
+        "job_enqueued" => EventKind::JobEnqueued,
+        "job_claimed" => EventKind::JobClaimed,
+        "job_completed" => EventKind::JobCompleted,
+        "job_failed" => EventKind::JobFailed,
+        "job_recovered" => EventKind::JobRecovered,
+        "job_released" => EventKind::JobReleased,
+        "job_requeued" => EventKind::JobRequeued,
+        _ => return None,
+    })
+}
+
+fn reason(text: &str) -> Option<EndReason> {
+    match text {
+        "closed" => Some(EndReason::Closed),
+        "expired" => Some(EndReason::Expired),
+        "admin" => Some(EndReason::Admin),
+        _ => None,
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Released {
+    key: String,
+    token: u64,
+}
+
+impl Postgres {
+    /// Numbers committed events; with `wait` false, gives up if another numbering is under
+    /// way (it will number them). Returns how many were numbered.
+    pub(crate) async fn number_events(&self, wait: bool) -> Result<i64> {
+        let row = self
+            .query_opt(NUMBER, &[&self.class(), &wait], false)
+            .await?;
+        Ok(row.map_or(0, |r| r.get(0)))
+    }
+
+    /// A page of the audit log after `after`, and the cursor of the next.
+    pub async fn events(&self, after: u64, limit: usize) -> Result<(Vec<Event>, Option<u64>)> {
+        self.number_events(true).await?;
+        let rows = self
+            .query(PAGE, &[&(after as i64), &(limit as i64)], true)
+            .await?;
+        let mut events = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let Some(k) = kind(r.get(2)) else {
+                tracing::warn!(
+                    kind = r.get::<_, &str>(2),
+                    "skipping an event of unknown kind"
+                );
+                continue;
+            };
+            let mut e = Event::new(
+                r.get::<_, i64>(0) as u64,
+                UnixMs(r.get::<_, i64>(1) as u64),
+                k,
+            );
+            e.session_id = r.get::<_, Option<uuid::Uuid>>(3).map(SessionId);
+            e.key = r.get(4);
+            e.token = r.get::<_, Option<i64>>(5).map(|t| Token(t as u64));
+            e.reason = r.get::<_, Option<&str>>(6).and_then(reason);
+            e.owner = r.get(7);
+            if let Some(text) = r.get::<_, Option<&str>>(8) {
+                let list: Vec<Released> = serde_json::from_str(text).unwrap_or_default();
+                e.released = list
+                    .into_iter()
+                    .map(|l| ReleasedLock {
+                        key: l.key,
+                        token: Token(l.token),
+                    })
+                    .collect();
+            }
+            e.pool = r.get(9);
+            e.queue = r.get(10);
+            e.job_id = r.get::<_, Option<uuid::Uuid>>(11).map(JobId);
+            e.detail = r.get(12);
+            events.push(e);
+        }
+        let next = rows.last().map(|r| r.get::<_, i64>(0) as u64);
+        Ok((events, next))
+    }
+
+    /// Removes up to `batch` numbered events older than the retention.
+    pub(crate) async fn trim_events(&self) -> Result<u64> {
+        let c = self.config();
+        let row = self
+            .query_opt(
+                TRIM,
+                &[&(c.event_retention_ms as i64), &(c.event_trim_batch as i64)],
+                false,
+            )
+            .await?;
+        let n = row.map_or(0, |r| r.get::<_, i64>(0) as u64);
+        self.inner.metrics.events_trimmed.inc_by(n);
+        Ok(n)
+    }
+}

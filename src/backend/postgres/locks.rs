@@ -1,0 +1,278 @@
+//! Locks: acquire (a contender ends an expired holder in its own transaction), release,
+//! the reads, and the fencing check.
+
+use uuid::Uuid;
+
+use super::sessions::END_EXPIRED_ONE;
+use super::{Fail, Postgres, transact};
+use crate::backend::{BackendError, Fence, Granted, LockPage, Result};
+use crate::domain::{LockKey, LockRecord, SessionId, Token, UnixMs};
+use crate::engine::waiting::{Resource, Step};
+
+/// Serialises every grant of one key, across nodes, until the transaction ends. A free key
+/// has no row to lock, so its token order rests on this lock (see the module doc): the
+/// token is drawn after it is taken. Two keys whose hashes collide only wait for each other.
+const KEY_LOCK: &str = "SELECT pg_advisory_xact_lock($1, hashtext($2))";
+
+/// With the key's lock held: whether the caller ($2) is live (its row locked so that a
+/// concurrent acquire of the same session cannot pass the per-session limit), the key's
+/// holder, token and liveness, how many locks the caller holds, and the revision.
+const STATE: &str = "
+WITH me AS MATERIALIZED (
+    SELECT expires_at > {ns}.db_now() AS live FROM {ns}.session WHERE id = $2
+    FOR NO KEY UPDATE
+)
+SELECT (SELECT live FROM me), l.session_id, l.token,
+       (SELECT h.expires_at > {ns}.db_now() FROM {ns}.session h WHERE h.id = l.session_id),
+       (SELECT count(*) FROM {ns}.lock WHERE session_id = $2),
+       (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {ns}.revision)
+FROM (SELECT 1) AS one LEFT JOIN {ns}.lock l ON l.key = $1";
+
+const HOLDER: &str = "SELECT session_id FROM {ns}.lock WHERE key = $1";
+
+const GRANT: &str = "
+WITH g AS (
+    INSERT INTO {ns}.lock (key, session_id, token)
+    VALUES ($1, $2, nextval('{ns}.revision'))
+    RETURNING token
+),
+e AS (
+    INSERT INTO {ns}.event (kind, session_id, key, token)
+    SELECT 'lock_acquired', $2, $1, token FROM g
+)
+SELECT token FROM g";
+
+/// Releases key $1 if the live session $2 holds it with token $3, in one statement that
+/// also announces the free key.
+const RELEASE: &str = "
+WITH me AS MATERIALIZED (
+    SELECT id FROM {ns}.session WHERE id = $2 AND expires_at > {ns}.db_now() FOR KEY SHARE
+),
+gone AS (
+    DELETE FROM {ns}.lock l USING me
+    WHERE l.key = $1 AND l.session_id = me.id AND l.token = $3
+    RETURNING l.key
+),
+rev AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision FROM gone),
+e AS (
+    INSERT INTO {ns}.event (kind, session_id, key, token)
+    SELECT 'lock_released', $2, $1, $3 FROM rev
+)
+SELECT revision, pg_notify($4, 'lock:' || $1) FROM rev";
+
+const LOCK: &str = "SELECT session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock WHERE key = $1";
+
+const LOCKS: &str = "
+SELECT key::text, session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock
+WHERE key LIKE $1 AND key > $2 ORDER BY key LIMIT $3";
+
+const FENCE: &str = "
+SELECT l.token, s.expires_at > {ns}.db_now()
+FROM {ns}.lock l JOIN {ns}.session s ON s.id = l.session_id WHERE l.key = $1";
+
+enum Try {
+    Gone,
+    /// The caller already holds the key.
+    Own(Token, u64),
+    Held,
+    TooMany(usize),
+    Granted(Token),
+}
+
+/// `text` as a LIKE pattern that matches itself literally, followed by anything.
+fn prefix_pattern(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 1);
+    for c in text.chars() {
+        if matches!(c, '\\' | '%' | '_') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('%');
+    out
+}
+
+impl Postgres {
+    pub async fn acquire(&self, id: SessionId, key: LockKey, wait_ms: u64) -> Result<Granted> {
+        let deadline = self.wait_deadline(wait_ms);
+        let step = self
+            .waiting()
+            .run(Resource::Lock(key.clone()), deadline, |may_take| {
+                self.try_acquire(id, &key, may_take)
+            })
+            .await?;
+        match step {
+            Step::Done(g) => Ok(g),
+            Step::Busy(()) => Err(BackendError::LockHeld),
+        }
+    }
+
+    /// One attempt. `may_take` false (others wait ahead on this node) still returns the
+    /// caller's own grant and still ends an expired holder, but takes no free key.
+    async fn try_acquire(
+        &self,
+        id: SessionId,
+        key: &LockKey,
+        may_take: bool,
+    ) -> Result<Step<Granted, ()>> {
+        let max = self.config().limits.max_locks_per_session;
+        let outcome = transact!(self, |tx, after| {
+            self.q(&tx, KEY_LOCK, &[&self.class(), &key.as_str()])
+                .await?;
+            let row = self
+                .q_one(&tx, STATE, &[&key.as_str(), &id.0])
+                .await?
+                .ok_or(Fail::Answer(BackendError::Unavailable(
+                    "the lock state query returned nothing".into(),
+                )))?;
+            let me_live: Option<bool> = row.get(0);
+            let holder: Option<Uuid> = row.get(1);
+            let token: Option<i64> = row.get(2);
+            let holder_live: Option<bool> = row.get(3);
+            let held = row.get::<_, i64>(4) as usize;
+            let revision = row.get::<_, i64>(5) as u64;
+            match (me_live, holder) {
+                (None, _) => Try::Gone,
+                (Some(false), _) => {
+                    self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
+                        .await?;
+                    Try::Gone
+                }
+                (Some(true), Some(h)) if h == id.0 => {
+                    Try::Own(Token(token.unwrap_or_default() as u64), revision)
+                }
+                (Some(true), Some(_)) if holder_live == Some(true) => Try::Held,
+                (Some(true), holder) => {
+                    let mut free = true;
+                    if let Some(h) = holder {
+                        // Past its deadline: ended here, so the contender never waits
+                        // for the reaper. It may have been ended meanwhile, or extended.
+                        self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&h])
+                            .await?;
+                        free = self.q_one(&tx, HOLDER, &[&key.as_str()]).await?.is_none();
+                    }
+                    if !free || !may_take {
+                        Try::Held
+                    } else if held >= max {
+                        Try::TooMany(held)
+                    } else {
+                        let row = self
+                            .q_one(&tx, GRANT, &[&key.as_str(), &id.0])
+                            .await?
+                            .ok_or(Fail::Answer(BackendError::Unavailable(
+                                "the grant returned nothing".into(),
+                            )))?;
+                        Try::Granted(Token(row.get::<_, i64>(0) as u64))
+                    }
+                }
+            }
+        })?;
+        Ok(match outcome {
+            Try::Gone => return Err(BackendError::SessionGone),
+            Try::TooMany(n) => return Err(BackendError::TooManyLocks(n)),
+            Try::Own(token, revision) => Step::Done(Granted { token, revision }),
+            Try::Held => Step::Busy(()),
+            Try::Granted(token) => {
+                self.inner.metrics.locks_acquired.inc();
+                Step::Done(Granted {
+                    token,
+                    revision: token.0,
+                })
+            }
+        })
+    }
+
+    pub async fn release(&self, id: SessionId, key: LockKey, token: Token) -> Result<u64> {
+        let rows = self
+            .query(
+                RELEASE,
+                &[&key.as_str(), &id.0, &(token.0 as i64), &self.channel()],
+                false,
+            )
+            .await?;
+        match rows.first() {
+            Some(row) => {
+                self.inner.metrics.locks_released.inc();
+                self.waiting().wake(&Resource::Lock(key));
+                Ok(row.get::<_, i64>(0) as u64)
+            }
+            None => {
+                // A caller past its deadline holds nothing any more: it is ended, durably.
+                self.live_or_end(id).await?;
+                Err(BackendError::NotHolder)
+            }
+        }
+    }
+
+    pub async fn lock(&self, key: &LockKey) -> Result<Option<LockRecord>> {
+        Ok(self
+            .query_opt(LOCK, &[&key.as_str()], true)
+            .await?
+            .map(|r| LockRecord {
+                session_id: SessionId(r.get(0)),
+                token: Token(r.get::<_, i64>(1) as u64),
+                acquired_at: UnixMs(r.get::<_, i64>(2) as u64),
+            }))
+    }
+
+    pub async fn locks(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LockPage> {
+        let rows = self
+            .query(
+                LOCKS,
+                &[
+                    &prefix_pattern(prefix),
+                    &after.unwrap_or(""),
+                    &((limit + 1) as i64),
+                ],
+                true,
+            )
+            .await?;
+        let mut page: Vec<(String, LockRecord)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.get(0),
+                    LockRecord {
+                        session_id: SessionId(r.get(1)),
+                        token: Token(r.get::<_, i64>(2) as u64),
+                        acquired_at: UnixMs(r.get::<_, i64>(3) as u64),
+                    },
+                )
+            })
+            .collect();
+        let next = if page.len() > limit {
+            page.truncate(limit);
+            page.last().map(|(k, _)| k.clone())
+        } else {
+            None
+        };
+        Ok((page, next))
+    }
+
+    /// Current only while `token` is the token of the key's holder and the holder's session
+    /// is alive on the database clock.
+    pub async fn fence(&self, key: &LockKey, token: Token) -> Result<Fence> {
+        Ok(match self.query_opt(FENCE, &[&key.as_str()], true).await? {
+            None => Fence {
+                current: false,
+                latest: None,
+            },
+            Some(r) => {
+                let latest = Token(r.get::<_, i64>(0) as u64);
+                Fence {
+                    current: r.get::<_, bool>(1) && latest == token,
+                    latest: Some(latest),
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn like_patterns_escape_wildcards() {
+        assert_eq!(super::prefix_pattern("a_b%c\\"), "a\\_b\\%c\\\\%");
+        assert_eq!(super::prefix_pattern(""), "%");
+    }
+}

@@ -1,0 +1,375 @@
+//! Seat pools: create or resize, delete, take and give back seats, the reads. Every grant
+//! locks the pool row first, so the count it checks against the capacity holds across
+//! nodes until it commits.
+
+use uuid::Uuid;
+
+use super::sessions::{END_EXPIRED_ONE, END_EXPIRED_SEAT_HOLDERS};
+use super::{Fail, Postgres, transact};
+use crate::backend::{BackendError, Granted, PoolInfo, Result, SeatHolder};
+use crate::domain::pools::MAX_CAPACITY;
+use crate::domain::{InvalidInput, PoolName, PoolPut, SeatRecord, SessionId, Token, UnixMs};
+use crate::engine::waiting::{Resource, Step};
+
+/// Serialises the creation of one pool name across nodes (a missing row cannot be locked).
+const NAME_LOCK: &str = "SELECT pg_advisory_xact_lock($1, hashtext('pool:' || $2))";
+
+const POOL_FOR_UPDATE: &str =
+    "SELECT capacity, coalesce(metadata::text, '') FROM {ns}.pool WHERE name = $1 FOR UPDATE";
+
+const CREATE: &str = "
+WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
+p AS (
+    INSERT INTO {ns}.pool (name, capacity, metadata, revision)
+    SELECT $1, $2, $3::text::jsonb, revision FROM r
+),
+e AS (
+    INSERT INTO {ns}.event (kind, pool, detail) VALUES ('pool_put', $1, 'capacity ' || $2)
+)
+SELECT revision FROM r";
+
+/// A resize keeps created_at, and the metadata unless new is given.
+const RESIZE: &str = "
+WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
+p AS (
+    UPDATE {ns}.pool SET capacity = $2, metadata = coalesce($3::text::jsonb, metadata),
+                         revision = (SELECT revision FROM r)
+    WHERE name = $1
+),
+e AS (
+    INSERT INTO {ns}.event (kind, pool, detail) VALUES ('pool_put', $1, 'capacity ' || $2)
+)
+SELECT revision FROM r";
+
+const SEATS_IN_USE: &str = "SELECT count(*) FROM {ns}.seat WHERE pool = $1";
+
+const DELETE: &str = "
+WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
+p AS (DELETE FROM {ns}.pool WHERE name = $1),
+e AS (INSERT INTO {ns}.event (kind, pool) VALUES ('pool_deleted', $1))
+SELECT revision FROM r";
+
+/// With the pool row locked: the caller's liveness, its seat if it has one, the seats in
+/// use, and the revision.
+const SEAT_STATE: &str = "
+SELECT (SELECT expires_at > {ns}.db_now() FROM {ns}.session WHERE id = $2 FOR KEY SHARE),
+       (SELECT token FROM {ns}.seat WHERE pool = $1 AND session_id = $2),
+       (SELECT count(*) FROM {ns}.seat WHERE pool = $1),
+       (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {ns}.revision)";
+
+const TAKE_SEAT: &str = "
+WITH g AS (
+    INSERT INTO {ns}.seat (pool, session_id, token, metadata)
+    VALUES ($1, $2, nextval('{ns}.revision'), $3::text::jsonb)
+    RETURNING token
+),
+e AS (
+    INSERT INTO {ns}.event (kind, session_id, pool, token)
+    SELECT 'seat_acquired', $2, $1, token FROM g
+)
+SELECT token FROM g";
+
+const RELEASE_SEAT: &str = "
+WITH me AS MATERIALIZED (
+    SELECT id FROM {ns}.session WHERE id = $2 AND expires_at > {ns}.db_now() FOR KEY SHARE
+),
+gone AS (
+    DELETE FROM {ns}.seat st USING me
+    WHERE st.pool = $1 AND st.session_id = me.id AND st.token = $3
+    RETURNING st.pool
+),
+rev AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision FROM gone),
+e AS (
+    INSERT INTO {ns}.event (kind, session_id, pool, token)
+    SELECT 'seat_released', $2, $1, $3 FROM rev
+)
+SELECT revision, pg_notify($4, 'pool:' || $1) FROM rev";
+
+const POOL_EXISTS: &str = "SELECT 1 FROM {ns}.pool WHERE name = $1";
+
+const POOL: &str = "SELECT capacity, coalesce(metadata::text, ''), {ns}.ms(created_at) FROM {ns}.pool WHERE name = $1";
+
+const HOLDERS: &str = "
+SELECT st.session_id, s.owner, st.token, {ns}.ms(st.acquired_at),
+       coalesce(st.metadata::text, ''), s.expires_at > {ns}.db_now(),
+       {ns}.ms(s.last_heartbeat_at),
+       {ns}.db_now() - s.last_heartbeat_at > (s.ttl_ms / 3) * interval '1 millisecond'
+FROM {ns}.seat st JOIN {ns}.session s ON s.id = st.session_id
+WHERE st.pool = $1 ORDER BY st.session_id";
+
+const POOLS: &str = "
+SELECT p.name::text, p.capacity, (SELECT count(*) FROM {ns}.seat st WHERE st.pool = p.name)
+FROM {ns}.pool p ORDER BY p.name";
+
+enum Seat {
+    NoPool,
+    Gone,
+    Own(Token, u64),
+    Full { capacity: u32, in_use: usize },
+    Granted(Token),
+}
+
+impl Postgres {
+    pub async fn put_pool(
+        &self,
+        name: PoolName,
+        capacity: u64,
+        metadata: Option<String>,
+    ) -> Result<PoolPut> {
+        if capacity == 0 || capacity > MAX_CAPACITY {
+            return Err(InvalidInput::new(
+                "capacity",
+                format!("must be between 1 and {MAX_CAPACITY} seats"),
+            )
+            .into());
+        }
+        let metadata = metadata.filter(|m| !m.is_empty());
+        if let Some(m) = &metadata {
+            self.config().limits.metadata(m)?;
+        }
+        let capacity = capacity as i32;
+        transact!(self, |tx, after| {
+            // Two nodes creating the same pool at once: the second waits here, then finds
+            // the row and resizes it.
+            self.q(&tx, NAME_LOCK, &[&self.class(), &name.as_str()])
+                .await?;
+            let existing = self.q_one(&tx, POOL_FOR_UPDATE, &[&name.as_str()]).await?;
+            let created = existing.is_none();
+            let grew = existing
+                .as_ref()
+                .is_some_and(|r| r.get::<_, i32>(0) < capacity);
+            let statement = if created { CREATE } else { RESIZE };
+            let row = self
+                .q_one(&tx, statement, &[&name.as_str(), &capacity, &metadata])
+                .await?
+                .ok_or(Fail::Answer(BackendError::Unavailable(
+                    "the pool write returned nothing".into(),
+                )))?;
+            if created || grew {
+                after.freed.push(Resource::Pool(name.clone()));
+            }
+            PoolPut {
+                revision: row.get::<_, i64>(0) as u64,
+                created,
+            }
+        })
+    }
+
+    /// Deletes a pool with no seat in use; holders past their deadline are ended first and
+    /// do not keep it alive.
+    pub async fn delete_pool(&self, name: PoolName) -> Result<u64> {
+        let r = transact!(self, |tx, after| {
+            if self
+                .q_one(&tx, POOL_FOR_UPDATE, &[&name.as_str()])
+                .await?
+                .is_none()
+            {
+                Err(BackendError::PoolNotFound)
+            } else {
+                self.end_in(
+                    &tx,
+                    &mut after,
+                    &END_EXPIRED_SEAT_HOLDERS,
+                    &[&name.as_str()],
+                )
+                .await?;
+                let in_use: i64 = self
+                    .q_one(&tx, SEATS_IN_USE, &[&name.as_str()])
+                    .await?
+                    .map_or(0, |r| r.get(0));
+                if in_use > 0 {
+                    Err(BackendError::PoolInUse(in_use as usize))
+                } else {
+                    let row = self.q_one(&tx, DELETE, &[&name.as_str()]).await?;
+                    // Waiters learn on their next try that the pool is gone.
+                    after.freed.push(Resource::Pool(name.clone()));
+                    Ok(row.map_or(0, |r| r.get::<_, i64>(0) as u64))
+                }
+            }
+        })?;
+        if r.is_ok() {
+            self.inner.metrics.set_pool(name.as_str(), None);
+        }
+        r
+    }
+
+    pub async fn acquire_seat(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        metadata: Option<String>,
+        wait_ms: u64,
+    ) -> Result<Granted> {
+        let metadata = metadata.filter(|m| !m.is_empty());
+        if let Some(m) = &metadata {
+            self.config().limits.metadata(m)?;
+        }
+        let started = std::time::Instant::now();
+        let deadline = self.wait_deadline(wait_ms);
+        let step = self
+            .waiting()
+            .run(Resource::Pool(pool.clone()), deadline, |may_take| {
+                self.try_seat(id, &pool, &metadata, may_take)
+            })
+            .await?;
+        match step {
+            Step::Done(g) => {
+                self.inner
+                    .metrics
+                    .seat_wait_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                Ok(g)
+            }
+            Step::Busy((capacity, in_use)) => {
+                self.inner.metrics.seats_refused.inc();
+                Err(BackendError::PoolExhausted { capacity, in_use })
+            }
+        }
+    }
+
+    async fn try_seat(
+        &self,
+        id: SessionId,
+        pool: &PoolName,
+        metadata: &Option<String>,
+        may_take: bool,
+    ) -> Result<Step<Granted, (u32, usize)>> {
+        let outcome = transact!(self, |tx, after| {
+            match self.q_one(&tx, POOL_FOR_UPDATE, &[&pool.as_str()]).await? {
+                None => Seat::NoPool,
+                Some(p) => {
+                    let capacity = p.get::<_, i32>(0) as u32;
+                    let state = self
+                        .q_one(&tx, SEAT_STATE, &[&pool.as_str(), &id.0])
+                        .await?
+                        .ok_or(Fail::Answer(BackendError::Unavailable(
+                            "the seat state query returned nothing".into(),
+                        )))?;
+                    let live: Option<bool> = state.get(0);
+                    let own: Option<i64> = state.get(1);
+                    let mut in_use = state.get::<_, i64>(2) as usize;
+                    let revision = state.get::<_, i64>(3) as u64;
+                    match (live, own) {
+                        (None, _) => Seat::Gone,
+                        (Some(false), _) => {
+                            self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
+                                .await?;
+                            Seat::Gone
+                        }
+                        (Some(true), Some(t)) => Seat::Own(Token(t as u64), revision),
+                        (Some(true), None) => {
+                            if in_use >= capacity as usize || !may_take {
+                                // Holders past their deadline are ended here, so a
+                                // contender never waits for the reaper.
+                                let ended = self
+                                    .end_in(
+                                        &tx,
+                                        &mut after,
+                                        &END_EXPIRED_SEAT_HOLDERS,
+                                        &[&pool.as_str()],
+                                    )
+                                    .await?;
+                                in_use -= ended.len().min(in_use);
+                            }
+                            if in_use >= capacity as usize || !may_take {
+                                Seat::Full { capacity, in_use }
+                            } else {
+                                let row = self
+                                    .q_one(&tx, TAKE_SEAT, &[&pool.as_str(), &id.0, metadata])
+                                    .await?
+                                    .ok_or(Fail::Answer(BackendError::Unavailable(
+                                        "the seat grant returned nothing".into(),
+                                    )))?;
+                                Seat::Granted(Token(row.get::<_, i64>(0) as u64))
+                            }
+                        }
+                    }
+                }
+            }
+        })?;
+        Ok(match outcome {
+            Seat::NoPool => return Err(BackendError::PoolNotFound),
+            Seat::Gone => return Err(BackendError::SessionGone),
+            Seat::Own(token, revision) => Step::Done(Granted { token, revision }),
+            Seat::Full { capacity, in_use } => Step::Busy((capacity, in_use)),
+            Seat::Granted(token) => Step::Done(Granted {
+                token,
+                revision: token.0,
+            }),
+        })
+    }
+
+    pub async fn release_seat(&self, id: SessionId, pool: PoolName, token: Token) -> Result<u64> {
+        let rows = self
+            .query(
+                RELEASE_SEAT,
+                &[&pool.as_str(), &id.0, &(token.0 as i64), &self.channel()],
+                false,
+            )
+            .await?;
+        if let Some(row) = rows.first() {
+            self.waiting().wake(&Resource::Pool(pool));
+            return Ok(row.get::<_, i64>(0) as u64);
+        }
+        if self
+            .query_opt(POOL_EXISTS, &[&pool.as_str()], true)
+            .await?
+            .is_none()
+        {
+            return Err(BackendError::PoolNotFound);
+        }
+        self.live_or_end(id).await?;
+        Err(BackendError::NotHolder)
+    }
+
+    /// A pool with its holders and their liveness on the database clock.
+    pub async fn pool(&self, name: &PoolName) -> Result<Option<PoolInfo>> {
+        let Some(p) = self.query_opt(POOL, &[&name.as_str()], true).await? else {
+            return Ok(None);
+        };
+        let holders: Vec<SeatHolder> = self
+            .query(HOLDERS, &[&name.as_str()], true)
+            .await?
+            .iter()
+            .map(|r| {
+                let live: bool = r.get(5);
+                SeatHolder {
+                    session_id: SessionId(r.get::<_, Uuid>(0)),
+                    owner: r.get(1),
+                    seat: SeatRecord {
+                        token: Token(r.get::<_, i64>(2) as u64),
+                        acquired_at: UnixMs(r.get::<_, i64>(3) as u64),
+                        metadata: r.get(4),
+                    },
+                    last_heartbeat_at: live.then(|| UnixMs(r.get::<_, i64>(6) as u64)),
+                    grace: live.then(|| r.get::<_, bool>(7)),
+                }
+            })
+            .collect();
+        Ok(Some(PoolInfo {
+            capacity: p.get::<_, i32>(0) as u32,
+            in_use: holders.len(),
+            waiting: self.waiting().waiting(&Resource::Pool(name.clone())),
+            metadata: p.get(1),
+            created_at: UnixMs(p.get::<_, i64>(2) as u64),
+            holders,
+        }))
+    }
+
+    /// Every pool: name, capacity, seats in use (holders past their deadline included until
+    /// they are reclaimed).
+    pub async fn pools(&self) -> Result<Vec<(String, u32, usize)>> {
+        Ok(self
+            .query(POOLS, &[], true)
+            .await?
+            .iter()
+            .map(|r| {
+                (
+                    r.get(0),
+                    r.get::<_, i32>(1) as u32,
+                    r.get::<_, i64>(2) as usize,
+                )
+            })
+            .collect())
+    }
+}

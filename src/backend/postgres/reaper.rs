@@ -1,0 +1,205 @@
+//! The reaper: a task on every node, one pass at a time across nodes. A pass takes a
+//! transaction-scoped advisory lock (`pg_try_advisory_xact_lock`: a node that finds it
+//! taken skips its turn), then ends a bounded batch of due sessions in one set-based
+//! statement (see `sessions::END`), so each ended session is audited exactly once and a
+//! mass expiry costs about what a batched cascading delete does. Passes follow one another
+//! while they come back full; otherwise the task sleeps until the earliest deadline, at
+//! most one reaper interval.
+
+use std::time::{Duration, Instant};
+
+use super::schema::LOCK_REAP;
+use super::sessions::END_DUE;
+use super::{Postgres, transact};
+use crate::backend::{DueSession, ReapOutcome, Result};
+use crate::domain::jobs::{REASON_MAX_RECOVERIES, REASON_NOT_IDEMPOTENT};
+use crate::domain::{JobId, JobOutcome, SessionId, Token, UnixMs};
+
+const TRY_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1, $2)";
+const LOCK: &str = "SELECT pg_advisory_xact_lock($1, $2)";
+
+/// Milliseconds until the earliest deadline (0 when one has passed); NULL with no session.
+const NEXT_DUE: &str =
+    "SELECT greatest(0, {ns}.ms(min(expires_at)) - {ns}.ms({ns}.db_now())) FROM {ns}.session";
+
+const PURGE_JOBS: &str = "
+WITH d AS (
+    DELETE FROM {ns}.job WHERE id IN (
+        SELECT id FROM {ns}.job
+        WHERE status IN ('done', 'failed')
+          AND updated_at < {ns}.db_now() - $1::bigint * interval '1 millisecond'
+        LIMIT $2)
+    RETURNING 1)
+SELECT count(*) FROM d";
+
+const DUE: &str = "
+SELECT s.id, {ns}.ms(s.expires_at),
+       ARRAY(SELECT key::text FROM {ns}.lock WHERE session_id = s.id ORDER BY token),
+       ARRAY(SELECT token FROM {ns}.lock WHERE session_id = s.id ORDER BY token),
+       ARRAY(SELECT pool::text FROM {ns}.seat WHERE session_id = s.id ORDER BY pool),
+       ARRAY(SELECT id FROM {ns}.job WHERE claim_session = s.id ORDER BY id),
+       ARRAY(SELECT idempotent AND recovery_count < max_recoveries
+             FROM {ns}.job WHERE claim_session = s.id ORDER BY id),
+       ARRAY(SELECT recovery_count FROM {ns}.job WHERE claim_session = s.id ORDER BY id),
+       ARRAY(SELECT idempotent FROM {ns}.job WHERE claim_session = s.id ORDER BY id)
+FROM {ns}.session s WHERE s.expires_at <= {ns}.db_now() ORDER BY s.expires_at LIMIT $1";
+
+pub(super) async fn run(pg: Postgres) {
+    let mut stop = pg.inner.stop.subscribe();
+    let interval = Duration::from_millis(pg.config().reaper_interval_ms.max(1));
+    let mut wait = interval;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => return,
+        }
+        wait = interval;
+        if pg.ensure_ready().is_err() {
+            continue;
+        }
+        loop {
+            let started = Instant::now();
+            match pg.pass(false).await {
+                Ok(Some(outcome)) => {
+                    let m = &pg.inner.metrics;
+                    m.reaper_pass_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    if outcome.sessions > 0 {
+                        m.reaper_batch_size.observe(outcome.sessions as f64);
+                        tracing::debug!(
+                            sessions = outcome.sessions,
+                            locks = outcome.locks,
+                            "reaped expired sessions"
+                        );
+                    }
+                    if outcome.sessions < pg.config().reaper_batch {
+                        break;
+                    }
+                }
+                // Another node's pass holds the lock: its turn.
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "reaper pass failed");
+                    break;
+                }
+            }
+        }
+        if let Err(e) = pg.retention().await {
+            tracing::debug!(error = %e, "retention pass failed");
+        }
+        if let Ok(Some(row)) = pg.query_opt(NEXT_DUE, &[], true).await
+            && let Some(ms) = row.get::<_, Option<i64>>(0)
+        {
+            wait = interval.min(Duration::from_millis(ms.max(1) as u64));
+        }
+    }
+}
+
+impl Postgres {
+    /// One pass: ends up to `reaper_batch` due sessions. `None` when another node's pass
+    /// holds the reaper lock and `wait` is false.
+    pub(crate) async fn pass(&self, wait: bool) -> Result<Option<ReapOutcome>> {
+        let batch = self.config().reaper_batch.max(1) as i64;
+        let rows = transact!(self, |tx, after| {
+            let locked = if wait {
+                self.q(&tx, LOCK, &[&self.class(), &LOCK_REAP]).await?;
+                true
+            } else {
+                self.q_one(&tx, TRY_LOCK, &[&self.class(), &LOCK_REAP])
+                    .await?
+                    .is_some_and(|r| r.get::<_, bool>(0))
+            };
+            if locked {
+                Some(self.end_in(&tx, &mut after, &END_DUE, &[&batch]).await?)
+            } else {
+                None
+            }
+        })?;
+        Ok(rows.map(|rows| ReapOutcome {
+            sessions: rows.len(),
+            locks: rows.iter().map(|r| r.keys.len()).sum(),
+            seats: rows.iter().map(|r| r.pools.len()).sum(),
+            jobs: rows
+                .iter()
+                .map(|r| r.recovered.len() + r.failed.len())
+                .sum(),
+        }))
+    }
+
+    /// Ends every session past its deadline now, in bounded passes; waits for another
+    /// node's pass rather than skipping.
+    pub async fn reap_now(&self) -> Result<ReapOutcome> {
+        let mut total = ReapOutcome::default();
+        loop {
+            let pass = self.pass(true).await?.unwrap_or_default();
+            total.sessions += pass.sessions;
+            total.locks += pass.locks;
+            total.seats += pass.seats;
+            total.jobs += pass.jobs;
+            if pass.sessions < self.config().reaper_batch.max(1) {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Purges finished jobs and trims audit events past their retention, one bounded batch
+    /// each.
+    async fn retention(&self) -> Result<()> {
+        let c = self.config();
+        self.query(
+            PURGE_JOBS,
+            &[&(c.job_retention_ms as i64), &(c.reaper_batch as i64)],
+            false,
+        )
+        .await?;
+        self.trim_events().await?;
+        Ok(())
+    }
+
+    /// What a reap now would end, changing nothing.
+    pub async fn reap_dry_run(&self, limit: usize) -> Result<Vec<DueSession>> {
+        let rows = self.query(DUE, &[&(limit as i64)], true).await?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let keys: Vec<String> = r.get(2);
+                let tokens: Vec<i64> = r.get(3);
+                let jobs: Vec<uuid::Uuid> = r.get(5);
+                let recover: Vec<bool> = r.get(6);
+                let counts: Vec<i32> = r.get(7);
+                let idempotent: Vec<bool> = r.get(8);
+                DueSession {
+                    id: SessionId(r.get(0)),
+                    expired_at: UnixMs(r.get::<_, i64>(1) as u64),
+                    locks: keys
+                        .into_iter()
+                        .zip(tokens)
+                        .map(|(k, t)| (k, Token(t as u64)))
+                        .collect(),
+                    seats: r.get(4),
+                    jobs: jobs
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, id)| {
+                            let outcome = if recover[i] {
+                                JobOutcome::Recovered {
+                                    recovery_count: counts[i] as u32 + 1,
+                                }
+                            } else {
+                                JobOutcome::Failed {
+                                    reason: if idempotent[i] {
+                                        REASON_MAX_RECOVERIES
+                                    } else {
+                                        REASON_NOT_IDEMPOTENT
+                                    }
+                                    .to_string(),
+                                }
+                            };
+                            (JobId(id), outcome)
+                        })
+                        .collect(),
+                }
+            })
+            .collect())
+    }
+}

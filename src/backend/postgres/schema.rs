@@ -1,0 +1,262 @@
+//! Versioned migrations of the `{namespace}` schema, applied at start and by
+//! `leasehold migrate`.
+//!
+//! All of a run happens in one transaction that first takes a transaction-scoped advisory
+//! lock on the namespace, so two nodes starting together apply each migration once: the
+//! second waits, then finds the schema up to date. A schema newer than this build knows is
+//! refused, never touched: an older node must not run against tables it does not understand.
+
+use tokio_postgres::GenericClient;
+
+use super::errors::PgError;
+
+/// The newest schema version this build knows.
+pub const VERSION: i32 = 1;
+
+/// Migration `n` is `MIGRATIONS[n - 1]`. Only ever append: a released migration never
+/// changes, since nodes that applied it will not apply it again.
+const MIGRATIONS: &[&str] = &[MIGRATION_1];
+
+/// `{ns}` stands for the quoted schema name.
+const MIGRATION_1: &str = r#"
+-- The one clock. Every statement takes time from here and never calls now() itself, so that
+-- a test can move the database clock by redefining this function. A sql function is
+-- inlined into the plans that call it; a redefinition still reaches plans already cached on
+-- pooled connections, because a plan records the functions it inlined and is invalidated
+-- when one changes (the postgres tests check this).
+CREATE FUNCTION {ns}.db_now() RETURNS timestamptz
+    LANGUAGE sql STABLE AS $$ SELECT now() $$;
+
+CREATE FUNCTION {ns}.ms(t timestamptz) RETURNS bigint
+    LANGUAGE sql STABLE STRICT AS $$ SELECT floor(extract(epoch FROM t) * 1000)::bigint $$;
+
+-- Every mutation draws its revision here, and every grant's token is its revision. CACHE 1
+-- (the default, stated because it matters): with a per-connection cache, values would not
+-- be handed out in the order they are asked for across connections.
+CREATE SEQUENCE {ns}.revision AS bigint CACHE 1;
+-- Positions in a queue: new jobs at the tail (ascending), recovered and released jobs at
+-- the head (the negated value of the second sequence, so the latest comes first).
+CREATE SEQUENCE {ns}.job_tail AS bigint CACHE 1;
+CREATE SEQUENCE {ns}.job_head AS bigint CACHE 1;
+
+CREATE TABLE {ns}.session (
+    id uuid PRIMARY KEY,
+    owner text NOT NULL,
+    metadata jsonb,
+    ttl_ms bigint NOT NULL CHECK (ttl_ms > 0),
+    created_at timestamptz NOT NULL DEFAULT {ns}.db_now(),
+    last_heartbeat_at timestamptz NOT NULL DEFAULT {ns}.db_now(),
+    expires_at timestamptz NOT NULL,
+    CONSTRAINT session_ttl_ck CHECK (expires_at > created_at)
+);
+CREATE INDEX session_expires_idx ON {ns}.session (expires_at);
+CREATE INDEX session_owner_idx ON {ns}.session (owner, id);
+
+CREATE TABLE {ns}.lock (
+    key text COLLATE "C" PRIMARY KEY,
+    session_id uuid NOT NULL REFERENCES {ns}.session ON DELETE CASCADE,
+    token bigint NOT NULL,
+    acquired_at timestamptz NOT NULL DEFAULT {ns}.db_now()
+);
+CREATE INDEX lock_session_idx ON {ns}.lock (session_id);
+
+CREATE TABLE {ns}.pool (
+    name text COLLATE "C" PRIMARY KEY,
+    capacity integer NOT NULL CHECK (capacity > 0),
+    metadata jsonb,
+    created_at timestamptz NOT NULL DEFAULT {ns}.db_now(),
+    -- The revision of the last create or resize: every seat granted since (token above it)
+    -- was granted under this capacity, which is what `check` verifies.
+    revision bigint NOT NULL
+);
+
+CREATE TABLE {ns}.seat (
+    pool text COLLATE "C" NOT NULL REFERENCES {ns}.pool,
+    session_id uuid NOT NULL REFERENCES {ns}.session ON DELETE CASCADE,
+    token bigint NOT NULL,
+    metadata jsonb,
+    acquired_at timestamptz NOT NULL DEFAULT {ns}.db_now(),
+    PRIMARY KEY (pool, session_id)
+);
+CREATE INDEX seat_session_idx ON {ns}.seat (session_id);
+
+CREATE TABLE {ns}.job (
+    id uuid PRIMARY KEY,
+    queue text COLLATE "C" NOT NULL,
+    kind text NOT NULL DEFAULT '',
+    payload json NOT NULL,
+    idempotent boolean NOT NULL,
+    max_recoveries integer NOT NULL,
+    recovery_count integer NOT NULL DEFAULT 0,
+    attempt integer NOT NULL DEFAULT 0,
+    ord bigint NOT NULL,
+    status text NOT NULL CHECK (status IN ('queued', 'claimed', 'done', 'failed')),
+    -- No cascade: ending a session settles its jobs explicitly (recover or fail) in the same
+    -- statement that deletes it, and this reference refuses a delete that did not.
+    claim_session uuid REFERENCES {ns}.session,
+    -- The token of the latest claim; current only while the job is claimed.
+    token bigint,
+    claimed_at timestamptz,
+    result json,
+    reason text,
+    enqueued_at timestamptz NOT NULL DEFAULT {ns}.db_now(),
+    updated_at timestamptz NOT NULL DEFAULT {ns}.db_now(),
+    CONSTRAINT job_claim_ck CHECK ((status = 'claimed') = (claim_session IS NOT NULL)),
+    CONSTRAINT job_recoveries_ck CHECK (recovery_count <= max_recoveries)
+);
+CREATE INDEX job_queued_idx ON {ns}.job (queue, ord) WHERE status = 'queued';
+CREATE INDEX job_state_idx ON {ns}.job (queue, status, id);
+CREATE INDEX job_session_idx ON {ns}.job (claim_session) WHERE claim_session IS NOT NULL;
+CREATE INDEX job_finished_idx ON {ns}.job (updated_at) WHERE status IN ('done', 'failed');
+
+-- The audit log. `id` is assigned at insert and may commit out of order; `seq`, the cursor,
+-- is assigned after commit by number_events and only ever in commit order.
+CREATE TABLE {ns}.event (
+    id bigserial PRIMARY KEY,
+    seq bigint UNIQUE,
+    at timestamptz NOT NULL DEFAULT {ns}.db_now(),
+    kind text NOT NULL,
+    session_id uuid,
+    key text,
+    token bigint,
+    reason text,
+    owner text,
+    released jsonb,
+    pool text,
+    queue text,
+    job_id uuid,
+    detail text
+);
+CREATE INDEX event_at_idx ON {ns}.event (at);
+
+-- Numbers committed, unnumbered events in insertion order, after every number already
+-- given. Serialised by an advisory lock held to the end of the caller's transaction: a
+-- numbering transaction becomes visible before the next one can take the lock, so each
+-- sees every number given before it and a reader never sees a number before a smaller one.
+-- `wait` false gives up (returns -1) when another numbering is under way.
+CREATE FUNCTION {ns}.number_events(lock_class integer, wait boolean, batch integer)
+    RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    base bigint;
+    n bigint;
+    total bigint := 0;
+BEGIN
+    IF wait THEN
+        PERFORM pg_advisory_xact_lock(lock_class, 3);
+    ELSIF NOT pg_try_advisory_xact_lock(lock_class, 3) THEN
+        RETURN -1;
+    END IF;
+    LOOP
+        SELECT coalesce(max(seq), 0) INTO base FROM {ns}.event;
+        UPDATE {ns}.event e SET seq = base + o.rn
+        FROM (SELECT id, row_number() OVER (ORDER BY id) AS rn
+              FROM {ns}.event WHERE seq IS NULL ORDER BY id LIMIT batch) o
+        WHERE e.id = o.id;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        total := total + n;
+        EXIT WHEN n < batch;
+    END LOOP;
+    RETURN total;
+END $$;
+"#;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error(
+        "the schema {namespace:?} is at version {found}, newer than the newest this build knows ({VERSION}); upgrade this node before starting it"
+    )]
+    TooNew { namespace: String, found: i32 },
+    #[error(transparent)]
+    Db(#[from] PgError),
+}
+
+/// The quoted schema name: namespaces are validated as `[a-z_][a-z0-9_]*`, and quoting
+/// lets even a reserved word (`user`) serve.
+pub fn quoted(namespace: &str) -> String {
+    format!("\"{namespace}\"")
+}
+
+/// The advisory lock class of a namespace: FNV-1a of its name, the same on every node and
+/// every build.
+pub fn lock_class(namespace: &str) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in b"leasehold.".iter().chain(namespace.as_bytes()) {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h as i32
+}
+
+/// Advisory lock ids within a namespace's class (the second key).
+pub const LOCK_MIGRATE: i32 = 1;
+pub const LOCK_REAP: i32 = 2;
+/// Used inside `number_events`.
+pub const LOCK_EVENTS: i32 = 3;
+
+/// Brings the schema to [`VERSION`]; returns the version it found. Idempotent.
+pub async fn migrate(
+    client: &mut tokio_postgres::Client,
+    namespace: &str,
+) -> Result<i32, MigrateError> {
+    let ns = quoted(namespace);
+    let tx = client.transaction().await.map_err(PgError::from)?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1, $2)",
+        &[&lock_class(namespace), &LOCK_MIGRATE],
+    )
+    .await
+    .map_err(PgError::from)?;
+    tx.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {ns};
+         CREATE TABLE IF NOT EXISTS {ns}.schema_version (
+             version integer PRIMARY KEY,
+             applied_at timestamptz NOT NULL
+         );"
+    ))
+    .await
+    .map_err(PgError::from)?;
+    let found = current_version(&tx, namespace).await?;
+    if found > VERSION {
+        return Err(MigrateError::TooNew {
+            namespace: namespace.to_string(),
+            found,
+        });
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+        let version = i as i32 + 1;
+        tx.batch_execute(&sql.replace("{ns}", &ns))
+            .await
+            .map_err(PgError::from)?;
+        tx.execute(
+            &format!("INSERT INTO {ns}.schema_version VALUES ($1, {ns}.db_now())"),
+            &[&version],
+        )
+        .await
+        .map_err(PgError::from)?;
+        tracing::info!(namespace, version, "applied schema migration");
+    }
+    tx.commit().await.map_err(PgError::from)?;
+    Ok(found)
+}
+
+/// The schema's version, 0 when it has none yet.
+pub async fn current_version(client: &impl GenericClient, namespace: &str) -> Result<i32, PgError> {
+    let ns = quoted(namespace);
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&format!("{ns}.schema_version")],
+        )
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(0);
+    }
+    let row = client
+        .query_one(
+            &format!("SELECT coalesce(max(version), 0) FROM {ns}.schema_version"),
+            &[],
+        )
+        .await?;
+    Ok(row.get(0))
+}

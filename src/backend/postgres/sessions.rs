@@ -1,0 +1,426 @@
+//! Sessions: open, heartbeat, end (by any reason, one statement for one or many), and the
+//! reads.
+
+use std::sync::LazyLock;
+
+use tokio_postgres::Row;
+use uuid::Uuid;
+
+use super::{After, PgError, Postgres, transact};
+use crate::backend::{BackendError, Beat, Closed, OpenedSession, Result, SessionInfo, SessionPage};
+use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
+use crate::engine::waiting::Resource;
+
+/// Ends the sessions `{source}` selects (`id`, `reason`), already locked `FOR UPDATE` by
+/// that select, in one statement: each draws its revision; its claimed jobs go back to the
+/// head of their queue (idempotent, under the cap: `recovery_count + 1`) or fail
+/// (`max_recoveries_exceeded`, `not_idempotent`); its events are written in the embedded
+/// backend's order (seats reclaimed, jobs settled, then the end with the locks released);
+/// and its row is deleted, the cascade removing its locks and seats. Every sub-statement
+/// reads the snapshot the statement started with, and the cascade runs at its end, so the
+/// locks and seats read here are exactly the ones the cascade removes.
+///
+/// One row per ended session, in revision order: id, reason, revision, the keys released (in token order), the
+/// pools whose seat was reclaimed, the queues a job was recovered into, the reasons jobs
+/// failed.
+const END: &str = r#"
+WITH target AS MATERIALIZED ({source}),
+ended AS MATERIALIZED (
+    SELECT id, reason, nextval('{ns}.revision') AS revision FROM target
+),
+locks AS MATERIALIZED (
+    SELECT l.session_id, l.key, l.token FROM {ns}.lock l JOIN ended e ON l.session_id = e.id
+),
+seats AS MATERIALIZED (
+    SELECT st.session_id, st.pool, st.token FROM {ns}.seat st JOIN ended e ON st.session_id = e.id
+),
+jobs AS (
+    UPDATE {ns}.job j SET
+        status = CASE WHEN j.idempotent AND j.recovery_count < j.max_recoveries
+                      THEN 'queued' ELSE 'failed' END,
+        recovery_count = CASE WHEN j.idempotent AND j.recovery_count < j.max_recoveries
+                              THEN j.recovery_count + 1 ELSE j.recovery_count END,
+        ord = CASE WHEN j.idempotent AND j.recovery_count < j.max_recoveries
+                   THEN -nextval('{ns}.job_head') ELSE j.ord END,
+        reason = CASE WHEN j.idempotent AND j.recovery_count < j.max_recoveries THEN NULL
+                      WHEN j.idempotent THEN 'max_recoveries_exceeded'
+                      ELSE 'not_idempotent' END,
+        claim_session = NULL,
+        claimed_at = NULL,
+        updated_at = {ns}.db_now()
+    FROM ended e
+    WHERE j.claim_session = e.id
+    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id, e.revision
+),
+events AS (
+    INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail, released)
+    SELECT kind, session_id, token, reason, pool, queue, job_id, detail, released FROM (
+        SELECT e.revision AS rev, 1 AS part, st.pool::text AS sort, 'seat_reclaimed' AS kind,
+               e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
+               NULL::uuid AS job_id, NULL::text AS detail, NULL::jsonb AS released
+        FROM seats st JOIN ended e ON e.id = st.session_id
+        UNION ALL
+        SELECT j.revision, 2, j.id::text,
+               CASE WHEN j.status = 'queued' THEN 'job_recovered' ELSE 'job_failed' END,
+               j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL
+        FROM jobs j
+        UNION ALL
+        SELECT e.revision, 3, '',
+               CASE e.reason WHEN 'closed' THEN 'session_closed'
+                             WHEN 'expired' THEN 'session_expired'
+                             ELSE 'session_ended_by_admin' END,
+               e.id, NULL, e.reason, NULL, NULL, NULL, NULL, coalesce(r.list, '[]'::jsonb)
+        FROM ended e LEFT JOIN (
+            SELECT session_id,
+                   jsonb_agg(jsonb_build_object('key', key, 'token', token) ORDER BY token) AS list
+            FROM locks GROUP BY session_id
+        ) r ON r.session_id = e.id
+    ) x ORDER BY rev, part, sort
+),
+gone AS (
+    DELETE FROM {ns}.session s USING ended e WHERE s.id = e.id
+)
+SELECT e.id, e.reason, e.revision,
+       coalesce(l.keys, '{}'::text[]), coalesce(st.pools, '{}'::text[]),
+       coalesce(j.queues, '{}'::text[]), coalesce(j.reasons, '{}'::text[])
+FROM ended e
+LEFT JOIN (SELECT session_id, array_agg(key::text ORDER BY token) AS keys
+           FROM locks GROUP BY session_id) l ON l.session_id = e.id
+LEFT JOIN (SELECT session_id, array_agg(pool::text ORDER BY pool) AS pools
+           FROM seats GROUP BY session_id) st ON st.session_id = e.id
+LEFT JOIN (SELECT session_id,
+                  array_agg(queue::text) FILTER (WHERE status = 'queued') AS queues,
+                  array_agg(reason) FILTER (WHERE status = 'failed') AS reasons
+           FROM jobs GROUP BY session_id) j ON j.session_id = e.id
+ORDER BY e.revision
+"#;
+
+fn end_sql(source: &str) -> String {
+    END.replace("{source}", source)
+}
+
+/// One session ($1), for $2 (`closed`, `admin`); a client closing a session already past
+/// its deadline is recorded as what happened first: it expired.
+pub(super) static END_ONE: LazyLock<String> = LazyLock::new(|| {
+    end_sql(
+        "SELECT id, CASE WHEN $2::text = 'closed' AND expires_at <= {ns}.db_now()
+                         THEN 'expired' ELSE $2::text END AS reason
+         FROM {ns}.session WHERE id = $1 FOR UPDATE",
+    )
+});
+
+/// One session ($1) if it is past its deadline. `FOR UPDATE` re-reads a row a concurrent
+/// transaction changed, so a session that a heartbeat just extended is left alone.
+pub(super) static END_EXPIRED_ONE: LazyLock<String> = LazyLock::new(|| {
+    end_sql(
+        "SELECT id, 'expired'::text AS reason FROM {ns}.session
+         WHERE id = $1 AND expires_at <= {ns}.db_now() FOR UPDATE",
+    )
+});
+
+/// Up to $1 sessions past their deadline, earliest first; rows another transaction holds
+/// (a pass on another node, a request of the session) are skipped, never waited for.
+pub(super) static END_DUE: LazyLock<String> = LazyLock::new(|| {
+    end_sql(
+        "SELECT id, 'expired'::text AS reason FROM {ns}.session
+         WHERE expires_at <= {ns}.db_now() ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
+    )
+});
+
+/// Every seat holder of pool $1 past its deadline.
+pub(super) static END_EXPIRED_SEAT_HOLDERS: LazyLock<String> = LazyLock::new(|| {
+    end_sql(
+        "SELECT s.id, 'expired'::text AS reason FROM {ns}.session s
+         WHERE s.expires_at <= {ns}.db_now()
+           AND s.id IN (SELECT session_id FROM {ns}.seat WHERE pool = $1)
+         ORDER BY s.id FOR UPDATE OF s",
+    )
+});
+
+/// A session ended by one of the statements above.
+#[derive(Debug, Clone)]
+pub(crate) struct EndedRow {
+    pub reason: EndReason,
+    pub revision: u64,
+    pub keys: Vec<String>,
+    pub pools: Vec<String>,
+    pub recovered: Vec<String>,
+    pub failed: Vec<String>,
+}
+
+impl EndedRow {
+    fn from_row(row: &Row) -> EndedRow {
+        let reason: String = row.get(1);
+        EndedRow {
+            reason: match reason.as_str() {
+                "closed" => EndReason::Closed,
+                "expired" => EndReason::Expired,
+                _ => EndReason::Admin,
+            },
+            revision: row.get::<_, i64>(2) as u64,
+            keys: row.get(3),
+            pools: row.get(4),
+            recovered: row.get(5),
+            failed: row.get(6),
+        }
+    }
+
+    /// What the end made available to waiters.
+    pub fn freed(&self) -> impl Iterator<Item = Resource> + '_ {
+        let named = |text: &String| crate::domain::LockKey::parse("key", text).ok();
+        self.keys
+            .iter()
+            .filter_map(named)
+            .map(Resource::Lock)
+            .chain(self.pools.iter().filter_map(named).map(Resource::Pool))
+            .chain(self.recovered.iter().filter_map(named).map(Resource::Queue))
+    }
+
+    pub fn closed(&self) -> Closed {
+        Closed {
+            released: self.keys.len(),
+            seats: self.pools.len(),
+            jobs: self.recovered.len() + self.failed.len(),
+            revision: self.revision,
+        }
+    }
+}
+
+const OPEN: &str = "
+WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
+s AS (
+    INSERT INTO {ns}.session (id, owner, metadata, ttl_ms, expires_at)
+    VALUES ($1, $2, $3::text::jsonb, $4::bigint,
+            {ns}.db_now() + $4::bigint * interval '1 millisecond')
+    RETURNING {ns}.ms(expires_at) AS expires_at
+),
+e AS (
+    INSERT INTO {ns}.event (kind, session_id, owner) VALUES ('session_opened', $1, $2)
+)
+SELECT r.revision, s.expires_at FROM r, s";
+
+const HEARTBEAT: &str = "
+UPDATE {ns}.session SET
+    ttl_ms = coalesce($2::bigint, ttl_ms),
+    expires_at = {ns}.db_now() + coalesce($2::bigint, ttl_ms) * interval '1 millisecond',
+    last_heartbeat_at = {ns}.db_now()
+WHERE id = $1 AND expires_at > {ns}.db_now()
+RETURNING {ns}.ms(expires_at), ttl_ms";
+
+const LIVE: &str = "SELECT expires_at > {ns}.db_now() FROM {ns}.session WHERE id = $1";
+
+/// What `GET /v1/sessions/{id}` shows; `grace` once a third of the TTL has passed since the
+/// last heartbeat.
+const INFO_COLUMNS: &str = "
+SELECT s.id, s.owner, coalesce(s.metadata::text, ''), s.ttl_ms, {ns}.ms(s.created_at),
+       {ns}.ms(s.expires_at), {ns}.ms(s.last_heartbeat_at),
+       s.expires_at > {ns}.db_now() AS live,
+       {ns}.db_now() - s.last_heartbeat_at > (s.ttl_ms / 3) * interval '1 millisecond' AS grace,
+       ARRAY(SELECT key::text FROM {ns}.lock WHERE session_id = s.id ORDER BY key),
+       ARRAY(SELECT token FROM {ns}.lock WHERE session_id = s.id ORDER BY key),
+       ARRAY(SELECT pool::text FROM {ns}.seat WHERE session_id = s.id ORDER BY pool),
+       ARRAY(SELECT token FROM {ns}.seat WHERE session_id = s.id ORDER BY pool),
+       ARRAY(SELECT id FROM {ns}.job WHERE claim_session = s.id ORDER BY id)
+FROM {ns}.session s";
+
+static INFO_ONE: LazyLock<String> = LazyLock::new(|| format!("{INFO_COLUMNS} WHERE s.id = $1"));
+static INFO_PAGE: LazyLock<String> =
+    LazyLock::new(|| format!("{INFO_COLUMNS} WHERE s.id > $1 ORDER BY s.id LIMIT $2"));
+static INFO_PAGE_OWNER: LazyLock<String> = LazyLock::new(|| {
+    format!("{INFO_COLUMNS} WHERE s.owner = $3 AND s.id > $1 ORDER BY s.id LIMIT $2")
+});
+
+fn info(row: &Row) -> (bool, SessionInfo) {
+    let ttl_ms = row.get::<_, i64>(3) as u64;
+    let keys: Vec<String> = row.get(9);
+    let key_tokens: Vec<i64> = row.get(10);
+    let pools: Vec<String> = row.get(11);
+    let seat_tokens: Vec<i64> = row.get(12);
+    let jobs: Vec<Uuid> = row.get(13);
+    let live: bool = row.get(7);
+    (
+        live,
+        SessionInfo {
+            id: SessionId(row.get(0)),
+            record: SessionRecord {
+                owner: row.get(1),
+                ttl_ms,
+                created_at: UnixMs(row.get::<_, i64>(4) as u64),
+                metadata: row.get(2),
+            },
+            ttl_ms,
+            expires_at: UnixMs(row.get::<_, i64>(5) as u64),
+            last_heartbeat_at: UnixMs(row.get::<_, i64>(6) as u64),
+            grace: row.get(8),
+            locks: keys
+                .into_iter()
+                .zip(key_tokens)
+                .map(|(k, t)| (k, Token(t as u64)))
+                .collect(),
+            seats: pools
+                .into_iter()
+                .zip(seat_tokens)
+                .map(|(p, t)| (p, Token(t as u64)))
+                .collect(),
+            jobs: jobs.into_iter().map(JobId).collect(),
+        },
+    )
+}
+
+impl Postgres {
+    /// Runs an end statement inside a transaction and records what it ended.
+    pub(crate) async fn end_in(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        after: &mut After,
+        statement: &'static LazyLock<String>,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> std::result::Result<Vec<EndedRow>, PgError> {
+        let sql: &'static str = statement.as_str();
+        let rows: Vec<EndedRow> = self
+            .q(tx, sql, params)
+            .await?
+            .iter()
+            .map(EndedRow::from_row)
+            .collect();
+        after.ended(rows.clone());
+        Ok(rows)
+    }
+
+    pub async fn open(
+        &self,
+        owner: String,
+        ttl_ms: Option<u64>,
+        metadata: Option<String>,
+    ) -> Result<OpenedSession> {
+        let limits = &self.config().limits;
+        limits.owner(&owner)?;
+        let ttl_ms = limits.ttl(ttl_ms)?;
+        let metadata = metadata.filter(|m| !m.is_empty());
+        if let Some(m) = &metadata {
+            limits.metadata(m)?;
+        }
+        let id = SessionId::random();
+        let row = self
+            .query_opt(OPEN, &[&id.0, &owner, &metadata, &(ttl_ms as i64)], false)
+            .await?
+            .ok_or_else(|| {
+                BackendError::Unavailable("the session insert returned nothing".into())
+            })?;
+        self.inner.metrics.sessions_opened.inc();
+        Ok(OpenedSession {
+            id,
+            ttl_ms,
+            expires_at: UnixMs(row.get::<_, i64>(1) as u64),
+            revision: row.get::<_, i64>(0) as u64,
+        })
+    }
+
+    /// Extends a live session. When the conditional update touches no row the session is
+    /// gone; if its row is still there (past its deadline) it is ended first, so that
+    /// "gone" is never said before the end is durable.
+    pub async fn heartbeat(&self, id: SessionId, ttl_ms: Option<u64>) -> Result<Beat> {
+        let ttl = match ttl_ms.map(|t| self.config().limits.ttl(Some(t))) {
+            None => None,
+            Some(Ok(t)) => Some(t as i64),
+            // A gone session with a bad TTL is still just gone.
+            Some(Err(e)) => {
+                return if self.live_or_end(id).await? {
+                    Err(e.into())
+                } else {
+                    Err(BackendError::SessionGone)
+                };
+            }
+        };
+        match self.query_opt(HEARTBEAT, &[&id.0, &ttl], false).await? {
+            Some(row) => {
+                self.inner.metrics.heartbeats.inc();
+                Ok(Beat {
+                    expires_at: UnixMs(row.get::<_, i64>(0) as u64),
+                    ttl_ms: row.get::<_, i64>(1) as u64,
+                })
+            }
+            None => {
+                self.end_if_expired(id).await?;
+                Err(BackendError::SessionGone)
+            }
+        }
+    }
+
+    /// Whether `id` is live; a session past its deadline is ended on the way.
+    pub(crate) async fn live_or_end(&self, id: SessionId) -> Result<bool> {
+        match self.query_opt(LIVE, &[&id.0], true).await? {
+            None => Ok(false),
+            Some(row) if row.get::<_, bool>(0) => Ok(true),
+            Some(_) => {
+                self.end_if_expired(id).await?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Ends `id` if it is past its deadline.
+    pub(crate) async fn end_if_expired(&self, id: SessionId) -> Result<()> {
+        transact!(self, |tx, after| {
+            self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
+                .await?;
+        })
+    }
+
+    pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
+        let rows = transact!(self, |tx, after| {
+            self.end_in(&tx, &mut after, &END_ONE, &[&id.0, &reason.as_str()])
+                .await?
+        })?;
+        Ok(rows.first().map(EndedRow::closed))
+    }
+
+    /// A live session and what it holds. One past its deadline is ended before `None`.
+    pub async fn session(&self, id: SessionId) -> Result<Option<SessionInfo>> {
+        let Some(row) = self.query_opt(INFO_ONE.as_str(), &[&id.0], true).await? else {
+            return Ok(None);
+        };
+        let (live, info) = info(&row);
+        if !live {
+            self.end_if_expired(id).await?;
+            return Ok(None);
+        }
+        Ok(Some(info))
+    }
+
+    /// A page of live sessions in id order; the cursor comes from the page as read, so a
+    /// session past its deadline on it is left out without shortening the walk.
+    pub async fn sessions(
+        &self,
+        owner: Option<&str>,
+        after: Option<SessionId>,
+        limit: usize,
+    ) -> Result<SessionPage> {
+        let after = after.map_or(Uuid::nil(), |a| a.0);
+        let fetch = (limit + 1) as i64;
+        let rows = match owner {
+            Some(o) => {
+                self.query(INFO_PAGE_OWNER.as_str(), &[&after, &fetch, &o], true)
+                    .await?
+            }
+            None => {
+                self.query(INFO_PAGE.as_str(), &[&after, &fetch], true)
+                    .await?
+            }
+        };
+        let mut page: Vec<(bool, SessionInfo)> = rows.iter().map(info).collect();
+        let next = if page.len() > limit {
+            page.truncate(limit);
+            page.last().map(|(_, s)| s.id)
+        } else {
+            None
+        };
+        Ok((
+            page.into_iter()
+                .filter(|(live, _)| *live)
+                .map(|(_, s)| s)
+                .collect(),
+            next,
+        ))
+    }
+}

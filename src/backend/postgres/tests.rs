@@ -1,0 +1,804 @@
+//! Tests against the real database (`LEASEHOLD_TEST_POSTGRES_URL`, by default the local
+//! server), each in a fresh schema dropped at the end, even when the test fails.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::schema::{self, MigrateError};
+use super::{PgSettings, Postgres, StartError};
+use crate::backend::BackendError;
+use crate::clock::ManualClock;
+use crate::domain::{
+    EndReason, EventKind, Finish, JobStatus, LockKey, NewJob, SessionId, Token, UnixMs,
+};
+use crate::engine::EngineConfig;
+use crate::metrics::Metrics;
+
+fn url() -> String {
+    std::env::var("LEASEHOLD_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "host=127.0.0.1 port=5432 user=postgres dbname=test".into())
+}
+
+fn key(s: &str) -> LockKey {
+    LockKey::parse("key", s).unwrap()
+}
+
+async fn connect() -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
+        .await
+        .expect("the tests need PostgreSQL at LEASEHOLD_TEST_POSTGRES_URL");
+    tokio::spawn(conn);
+    client
+}
+
+/// A fresh namespace, dropped with its schema when the value goes (a failed test too).
+struct Schema(String);
+
+impl Schema {
+    fn new() -> Schema {
+        Schema(format!("t_{:032x}", uuid::Uuid::new_v4().as_u128()))
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let ns = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok((c, conn)) = tokio_postgres::connect(&url(), tokio_postgres::NoTls).await
+                {
+                    tokio::spawn(conn);
+                    let _ = c
+                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{ns}\" CASCADE"))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn settings(ns: &str) -> PgSettings {
+    PgSettings {
+        url: url(),
+        namespace: ns.to_string(),
+        pool_size: 8,
+        statement_timeout_ms: 5_000,
+    }
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        reaper_enabled: false,
+        ..EngineConfig::default()
+    }
+}
+
+struct Harness {
+    pg: Postgres,
+    clock: ManualClock,
+    admin: tokio_postgres::Client,
+    schema: Schema,
+}
+
+impl Harness {
+    async fn start() -> Harness {
+        Harness::with(config()).await
+    }
+
+    async fn with(config: EngineConfig) -> Harness {
+        let schema = Schema::new();
+        let clock = ManualClock::new(UnixMs(1_700_000_000_000));
+        let pg = Postgres::start(
+            config,
+            settings(&schema.0),
+            Arc::new(clock.clone()),
+            Arc::new(Metrics::new()),
+        )
+        .await
+        .unwrap();
+        Harness {
+            pg,
+            clock,
+            admin: connect().await,
+            schema,
+        }
+    }
+
+    /// A second node on the same schema.
+    async fn node(&self, config: EngineConfig) -> Postgres {
+        Postgres::start(
+            config,
+            settings(&self.schema.0),
+            Arc::new(self.clock.clone()),
+            Arc::new(Metrics::new()),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// Moves the database clock `ms` ahead of the real one.
+    async fn shift(&self, ms: u64) {
+        self.admin
+            .batch_execute(&format!(
+                "CREATE OR REPLACE FUNCTION \"{}\".db_now() RETURNS timestamptz
+                 LANGUAGE sql STABLE AS $$ SELECT now() + interval '{ms} milliseconds' $$",
+                self.schema.0
+            ))
+            .await
+            .unwrap();
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        self.admin
+            .query_one(
+                &format!("SELECT count(*) FROM \"{}\".{table}", self.schema.0),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    async fn open(&self, ttl: u64) -> SessionId {
+        self.pg
+            .open("test".into(), Some(ttl), None)
+            .await
+            .unwrap()
+            .id
+    }
+
+    async fn events(&self) -> Vec<crate::domain::Event> {
+        let mut out = Vec::new();
+        let mut after = 0;
+        loop {
+            let (page, next) = self.pg.events(after, 1000).await.unwrap();
+            if page.is_empty() {
+                return out;
+            }
+            after = next.unwrap();
+            out.extend(page);
+        }
+    }
+
+    async fn assert_consistent(&self) {
+        let report = self.pg.check().await.unwrap();
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+    }
+
+    fn stop(self) {
+        self.pg.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn migrations_are_idempotent_and_safe_to_start_together() {
+    let schema = Schema::new();
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let ns = schema.0.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut c, conn) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            schema::migrate(&mut c, &ns).await.unwrap()
+        }));
+    }
+    let mut found = Vec::new();
+    for t in tasks {
+        found.push(t.await.unwrap());
+    }
+    found.sort();
+    // One node applied everything; the others waited and found it done.
+    assert_eq!(
+        found,
+        vec![0, schema::VERSION, schema::VERSION, schema::VERSION]
+    );
+    let mut c = connect().await;
+    assert_eq!(
+        schema::migrate(&mut c, &schema.0).await.unwrap(),
+        schema::VERSION
+    );
+    let rows: i64 = c
+        .query_one(
+            &format!("SELECT count(*) FROM \"{}\".schema_version", schema.0),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, i64::from(schema::VERSION));
+}
+
+#[tokio::test]
+async fn a_node_refuses_a_schema_newer_than_it_knows() {
+    let h = Harness::start().await;
+    h.admin
+        .batch_execute(&format!(
+            "INSERT INTO \"{}\".schema_version VALUES (999, now())",
+            h.schema.0
+        ))
+        .await
+        .unwrap();
+    let mut c = connect().await;
+    let err = schema::migrate(&mut c, &h.schema.0).await.unwrap_err();
+    assert!(
+        matches!(err, MigrateError::TooNew { found: 999, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("newer"), "{err}");
+    let started = Postgres::start(
+        config(),
+        settings(&h.schema.0),
+        Arc::new(h.clock.clone()),
+        Arc::new(Metrics::new()),
+    )
+    .await;
+    assert!(matches!(
+        started,
+        Err(StartError::Migrate(MigrateError::TooNew { .. }))
+    ));
+    h.stop();
+}
+
+/// A heartbeat that upserted would resurrect a reaped session whose locks are gone. Gone is
+/// terminal: said once the end is durable, said again forever, and no row is created.
+#[tokio::test]
+async fn heartbeat_gone_is_terminal_and_creates_no_row() {
+    let h = Harness::start().await;
+    let id = h.open(1_000).await;
+    h.pg.acquire(id, key("k"), 0).await.unwrap();
+    let beat = h.pg.heartbeat(id, None).await.unwrap();
+    assert_eq!(beat.ttl_ms, 1_000);
+    h.shift(1_500).await;
+    assert!(matches!(
+        h.pg.heartbeat(id, None).await,
+        Err(BackendError::SessionGone)
+    ));
+    // The end was made durable before "gone" was said: the row and its lock are gone.
+    assert_eq!(h.count("session").await, 0);
+    assert_eq!(h.count("lock").await, 0);
+    for ttl in [None, Some(5_000), Some(1)] {
+        assert!(matches!(
+            h.pg.heartbeat(id, ttl).await,
+            Err(BackendError::SessionGone)
+        ));
+    }
+    assert_eq!(h.count("session").await, 0);
+    assert!(h.pg.heartbeat(SessionId::random(), None).await.is_err());
+    assert_eq!(h.count("session").await, 0);
+    let events = h.events().await;
+    let ended: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::SessionExpired)
+        .collect();
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].session_id, Some(id));
+    assert_eq!(ended[0].released.len(), 1);
+    h.assert_consistent().await;
+    h.stop();
+}
+
+/// The clock is one SQL function; redefining it must reach statements already prepared
+/// (and planned generically) on pooled connections, or tests of expiry would lie.
+#[tokio::test]
+async fn redefining_db_now_moves_expiry_for_prepared_statements() {
+    let h = Harness::start().await;
+    let id = h.open(10_000).await;
+    for _ in 0..12 {
+        h.pg.heartbeat(id, None).await.unwrap();
+    }
+    let other = h.open(60_000).await;
+    let g = h.pg.acquire(id, key("k"), 0).await.unwrap();
+    assert!(h.pg.fence(&key("k"), g.token).await.unwrap().current);
+    h.shift(20_000).await;
+    assert!(!h.pg.fence(&key("k"), g.token).await.unwrap().current);
+    assert!(h.pg.session(id).await.unwrap().is_none());
+    assert!(matches!(
+        h.pg.heartbeat(id, None).await,
+        Err(BackendError::SessionGone)
+    ));
+    assert!(h.pg.session(other).await.unwrap().is_some());
+    h.stop();
+}
+
+#[tokio::test]
+async fn closing_cascades_to_locks_and_seats_with_one_event() {
+    let h = Harness::start().await;
+    let a = h.open(10_000).await;
+    let t1 = h.pg.acquire(a, key("x"), 0).await.unwrap().token;
+    let t2 = h.pg.acquire(a, key("y"), 0).await.unwrap().token;
+    h.pg.put_pool(key("p"), 2, None).await.unwrap();
+    h.pg.acquire_seat(a, key("p"), None, 0).await.unwrap();
+    let info = h.pg.session(a).await.unwrap().unwrap();
+    assert_eq!(info.locks.len(), 2);
+    assert_eq!(info.seats.len(), 1);
+    let closed = h.pg.end(a, EndReason::Closed).await.unwrap().unwrap();
+    assert_eq!((closed.released, closed.seats), (2, 1));
+    assert_eq!(h.count("lock").await, 0);
+    assert_eq!(h.count("seat").await, 0);
+    assert!(h.pg.end(a, EndReason::Closed).await.unwrap().is_none());
+    let events = h.events().await;
+    let closes: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::SessionClosed)
+        .collect();
+    assert_eq!(closes.len(), 1);
+    let released: Vec<_> = closes[0].released.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(released, vec!["x", "y"]);
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind == EventKind::SeatReclaimed)
+            .count(),
+        1
+    );
+    // The keys are free again, and the next tokens are greater.
+    let b = h.open(10_000).await;
+    assert!(h.pg.acquire(b, key("x"), 0).await.unwrap().token > t1.max(t2));
+    assert!(matches!(
+        h.pg.acquire(a, key("z"), 0).await,
+        Err(BackendError::SessionGone)
+    ));
+    h.assert_consistent().await;
+    h.stop();
+}
+
+/// Many tasks on two nodes take and give back one key; in grant order the tokens must
+/// strictly increase, and each must exceed every token acknowledged before its request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_strictly_increase_under_concurrent_grants() {
+    let h = Harness::start().await;
+    let other = h.node(config()).await;
+    let grants: Arc<Mutex<Vec<(u64, u64)>>> = Arc::new(Mutex::new(Vec::new()));
+    let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let pg = if i % 2 == 0 {
+            h.pg.clone()
+        } else {
+            other.clone()
+        };
+        let (grants, acked) = (grants.clone(), acked.clone());
+        tasks.push(tokio::spawn(async move {
+            let id = pg.open("t".into(), Some(60_000), None).await.unwrap().id;
+            for _ in 0..15 {
+                let before = acked.load(std::sync::atomic::Ordering::SeqCst);
+                let g = pg.acquire(id, key("hot"), 10_000).await.unwrap();
+                // Only the holder gets here, so the list is in grant order.
+                grants.lock().push((g.token.0, before));
+                acked.fetch_max(g.token.0, std::sync::atomic::Ordering::SeqCst);
+                pg.release(id, key("hot"), g.token).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let grants = grants.lock().clone();
+    assert_eq!(grants.len(), 180);
+    for pair in grants.windows(2) {
+        assert!(pair[1].0 > pair[0].0, "tokens out of order: {pair:?}");
+    }
+    for (token, before) in &grants {
+        assert!(token > before);
+    }
+    other.shutdown();
+    h.assert_consistent().await;
+    h.stop();
+}
+
+#[tokio::test]
+async fn a_contender_ends_an_expired_holder_and_gets_the_key() {
+    let h = Harness::start().await;
+    let a = h.open(1_000).await;
+    let b = h.open(60_000).await;
+    let old = h.pg.acquire(a, key("k"), 0).await.unwrap().token;
+    assert!(matches!(
+        h.pg.acquire(b, key("k"), 0).await,
+        Err(BackendError::LockHeld)
+    ));
+    h.shift(1_500).await;
+    let got = h.pg.acquire(b, key("k"), 0).await.unwrap();
+    assert!(got.token > old);
+    assert_eq!(h.pg.lock(&key("k")).await.unwrap().unwrap().session_id, b);
+    assert!(h.pg.session(a).await.unwrap().is_none());
+    let events = h.events().await;
+    let expired: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::SessionExpired)
+        .collect();
+    assert_eq!(expired.len(), 1);
+    assert_eq!(expired[0].session_id, Some(a));
+    assert_eq!(expired[0].released[0].token, old);
+    h.assert_consistent().await;
+    h.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn capacity_holds_under_concurrent_seat_takers() {
+    let h = Harness::start().await;
+    let other = h.node(config()).await;
+    h.pg.put_pool(key("licences"), 3, Some("{\"team\":\"a\"}".into()))
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let pg = if i % 2 == 0 {
+            h.pg.clone()
+        } else {
+            other.clone()
+        };
+        tasks.push(tokio::spawn(async move {
+            let id = pg.open("t".into(), Some(60_000), None).await.unwrap().id;
+            (id, pg.acquire_seat(id, key("licences"), None, 0).await)
+        }));
+    }
+    let mut holders = Vec::new();
+    for t in tasks {
+        let (id, r) = t.await.unwrap();
+        match r {
+            Ok(g) => holders.push((id, g.token)),
+            Err(BackendError::PoolExhausted { capacity: 3, .. }) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(holders.len(), 3);
+    // Asking again returns the same seat.
+    let (id, token) = holders[0];
+    assert_eq!(
+        h.pg.acquire_seat(id, key("licences"), None, 0)
+            .await
+            .unwrap()
+            .token,
+        token
+    );
+    let info = h.pg.pool(&key("licences")).await.unwrap().unwrap();
+    assert_eq!((info.capacity, info.in_use), (3, 3));
+    // A resize keeps created_at and metadata.
+    h.pg.put_pool(key("licences"), 5, None).await.unwrap();
+    let resized = h.pg.pool(&key("licences")).await.unwrap().unwrap();
+    assert_eq!(resized.created_at, info.created_at);
+    assert_eq!(resized.metadata, info.metadata);
+    assert!(matches!(
+        h.pg.delete_pool(key("licences")).await,
+        Err(BackendError::PoolInUse(3))
+    ));
+    other.shutdown();
+    h.assert_consistent().await;
+    h.stop();
+}
+
+#[tokio::test]
+async fn ending_a_session_recovers_or_fails_its_jobs() {
+    let h = Harness::start().await;
+    let queue = key("builds");
+    let job = |idempotent| NewJob {
+        queue: queue.clone(),
+        payload: "{\"n\":1}".into(),
+        idempotent,
+        max_recoveries: Some(1),
+        kind: None,
+    };
+    let (idem, _) = h.pg.enqueue(job(true)).await.unwrap();
+    let (plain, _) = h.pg.enqueue(job(false)).await.unwrap();
+    let (third, _) = h.pg.enqueue(job(true)).await.unwrap();
+    let a = h.open(1_000).await;
+    let c1 = h.pg.claim(a, queue.clone(), 0).await.unwrap().unwrap();
+    let c2 = h.pg.claim(a, queue.clone(), 0).await.unwrap().unwrap();
+    assert_eq!((c1.job, c2.job), (idem, plain));
+    h.shift(1_500).await;
+    let out = h.pg.reap_now().await.unwrap();
+    assert_eq!((out.sessions, out.jobs), (1, 2));
+    let (rec, payload) = h.pg.job(idem).await.unwrap().unwrap();
+    assert!(matches!(rec.status, JobStatus::Queued));
+    assert_eq!(rec.recovery_count, 1);
+    assert_eq!(payload, "{\"n\":1}");
+    let (rec, _) = h.pg.job(plain).await.unwrap().unwrap();
+    assert_eq!(
+        rec.status,
+        JobStatus::Failed {
+            reason: "not_idempotent".into()
+        }
+    );
+    // The old claim is stale; the recovered job is at the head, before the third.
+    assert!(matches!(
+        h.pg.finish_job(a, idem, c1.token, Finish::Release).await,
+        Err(BackendError::StaleToken)
+    ));
+    let b = h.open(60_000).await;
+    let again = h.pg.claim(b, queue.clone(), 0).await.unwrap().unwrap();
+    assert_eq!(again.job, idem);
+    assert_eq!((again.attempt, again.recovery_count), (2, 1));
+    // At the cap, the next ending fails it.
+    h.pg.end(b, EndReason::Admin).await.unwrap().unwrap();
+    let (rec, _) = h.pg.job(idem).await.unwrap().unwrap();
+    assert_eq!(
+        rec.status,
+        JobStatus::Failed {
+            reason: "max_recoveries_exceeded".into()
+        }
+    );
+    h.pg.requeue(idem).await.unwrap();
+    assert!(matches!(
+        h.pg.requeue(third).await,
+        Err(BackendError::JobNotFailed)
+    ));
+    let counts = h.pg.queue(&queue).await.unwrap().counts;
+    assert_eq!((counts.queued, counts.failed), (2, 1));
+    let c = h.open(60_000).await;
+    let next = h.pg.claim(c, queue.clone(), 0).await.unwrap().unwrap();
+    assert_eq!(next.job, third);
+    h.pg.finish_job(
+        c,
+        third,
+        next.token,
+        Finish::Complete {
+            result: "{}".into(),
+        },
+    )
+    .await
+    .unwrap();
+    let events = h.events().await;
+    let kinds = |k| events.iter().filter(|e| e.kind == k).count();
+    assert_eq!(kinds(EventKind::JobRecovered), 1);
+    assert_eq!(kinds(EventKind::JobFailed), 2);
+    assert_eq!(kinds(EventKind::JobCompleted), 1);
+    h.assert_consistent().await;
+    h.stop();
+}
+
+/// A sequence number taken at insert commits out of order, and a cursor past a later one
+/// never sees the earlier. Readers tail the log while many writers commit; every reader
+/// must see every event, in one gapless order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_event_cursor_never_skips_under_concurrent_writers() {
+    let h = Harness::start().await;
+    let other = h.node(config()).await;
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for i in 0..8 {
+        let pg = if i % 2 == 0 {
+            h.pg.clone()
+        } else {
+            other.clone()
+        };
+        writers.push(tokio::spawn(async move {
+            for j in 0..25 {
+                let id = pg
+                    .open(format!("w{i}"), Some(60_000), None)
+                    .await
+                    .unwrap()
+                    .id;
+                let k = key(&format!("k{i}-{j}"));
+                let g = pg.acquire(id, k.clone(), 0).await.unwrap();
+                pg.release(id, k, g.token).await.unwrap();
+                pg.end(id, EndReason::Closed).await.unwrap();
+            }
+        }));
+    }
+    let mut readers = Vec::new();
+    for i in 0..2 {
+        let pg = if i == 0 { h.pg.clone() } else { other.clone() };
+        let done = done.clone();
+        readers.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut after = 0;
+            loop {
+                let finished = done.load(std::sync::atomic::Ordering::SeqCst);
+                let (page, next) = pg.events(after, 7).await.unwrap();
+                if let Some(n) = next {
+                    after = n;
+                }
+                let empty = page.is_empty();
+                seen.extend(page.into_iter().map(|e| e.seq));
+                if finished && empty {
+                    return seen;
+                }
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let all: Vec<u64> = h.events().await.iter().map(|e| e.seq).collect();
+    assert_eq!(all.len(), 8 * 25 * 4);
+    assert_eq!(all, (1..=all.len() as u64).collect::<Vec<_>>());
+    for r in readers {
+        assert_eq!(r.await.unwrap(), all);
+    }
+    other.shutdown();
+    h.stop();
+}
+
+/// Two nodes reaping one schema at once: every expired session is ended, and audited,
+/// exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_reapers_end_each_session_exactly_once() {
+    let small = EngineConfig {
+        reaper_batch: 50,
+        ..config()
+    };
+    let h = Harness::with(small.clone()).await;
+    let other = h.node(small.clone()).await;
+    let mut ids = HashSet::new();
+    for i in 0..300 {
+        let id = h.open(1_000).await;
+        h.pg.acquire(id, key(&format!("r{i}")), 0).await.unwrap();
+        ids.insert(id);
+    }
+    h.shift(2_000).await;
+    let (a, b) = tokio::join!(h.pg.reap_now(), other.reap_now());
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.sessions + b.sessions, 300);
+    assert_eq!(a.locks + b.locks, 300);
+    let events = h.events().await;
+    let mut ended: BTreeMap<SessionId, usize> = BTreeMap::new();
+    for e in events
+        .iter()
+        .filter(|e| e.kind == EventKind::SessionExpired)
+    {
+        *ended.entry(e.session_id.unwrap()).or_default() += 1;
+    }
+    assert_eq!(ended.len(), 300);
+    assert!(ended.values().all(|n| *n == 1));
+    assert!(ended.keys().all(|id| ids.contains(id)));
+    assert_eq!(h.count("lock").await, 0);
+    // A background reaper on a node does the same without being asked.
+    let bg = h
+        .node(EngineConfig {
+            reaper_enabled: true,
+            reaper_interval_ms: 50,
+            ..small
+        })
+        .await;
+    let late = h.open(1_000).await;
+    h.shift(4_000).await;
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while h.count("session").await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert!(h.pg.session(late).await.unwrap().is_none());
+    bg.shutdown();
+    other.shutdown();
+    h.assert_consistent().await;
+    h.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_are_served_in_order_across_nodes() {
+    let h = Harness::start().await;
+    let other = h.node(config()).await;
+    let holder = h.open(60_000).await;
+    let g = h.pg.acquire(holder, key("w"), 0).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..3 {
+        let pg = other.clone();
+        let order = order.clone();
+        let id = h.open(60_000).await;
+        tasks.push(tokio::spawn(async move {
+            let got = pg.acquire(id, key("w"), 20_000).await.unwrap();
+            order.lock().push(i);
+            pg.release(id, key("w"), got.token).await.unwrap();
+        }));
+        while other
+            .waiting()
+            .waiting(&crate::engine::waiting::Resource::Lock(key("w")))
+            < i + 1
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    // Freed on one node, the notification wakes the other's first waiter.
+    h.pg.release(holder, key("w"), g.token).await.unwrap();
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(5), t)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    assert_eq!(*order.lock(), vec![0, 1, 2]);
+    // A wait runs out on the injected clock, and a drain answers waiters at once.
+    let c = h.open(60_000).await;
+    let d = h.open(60_000).await;
+    h.pg.acquire(c, key("w"), 0).await.unwrap();
+    let pg = other.clone();
+    let waiter = tokio::spawn(async move { pg.acquire(d, key("w"), 5_000).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.clock.advance(5_000);
+    assert!(matches!(
+        tokio::time::timeout(Duration::from_secs(2), waiter)
+            .await
+            .unwrap()
+            .unwrap(),
+        Err(BackendError::LockHeld)
+    ));
+    let pg = other.clone();
+    let waiter = tokio::spawn(async move { pg.acquire(d, key("w"), 50_000).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    other.begin_drain();
+    assert!(matches!(
+        tokio::time::timeout(Duration::from_secs(2), waiter)
+            .await
+            .unwrap()
+            .unwrap(),
+        Err(BackendError::ShuttingDown)
+    ));
+    assert!(!other.ready());
+    other.shutdown();
+    h.stop();
+}
+
+#[tokio::test]
+async fn an_unreachable_database_leaves_the_node_unready_not_failed() {
+    let schema = Schema::new();
+    let pg = Postgres::start(
+        config(),
+        PgSettings {
+            url: "postgres://leasehold:secret@127.0.0.1:1/none".into(),
+            ..settings(&schema.0)
+        },
+        Arc::new(ManualClock::new(UnixMs(0))),
+        Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap();
+    assert!(!pg.ready());
+    match pg.open("a".into(), None, None).await {
+        Err(BackendError::Unavailable(m)) => assert!(!m.contains("secret"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(pg.events(0, 10).await.unwrap_err().is_outcome_unknown());
+    pg.shutdown();
+}
+
+#[tokio::test]
+async fn reads_lists_and_dry_run_match_the_embedded_shapes() {
+    let h = Harness::start().await;
+    let a = h.open(3_000).await;
+    let b =
+        h.pg.open("bob".into(), Some(60_000), Some("{\"h\":1}".into()))
+            .await
+            .unwrap()
+            .id;
+    for k in ["app/a", "app/b", "app_c", "other"] {
+        h.pg.acquire(a, key(k), 0).await.unwrap();
+    }
+    let (page, next) = h.pg.locks("app/", None, 1).await.unwrap();
+    assert_eq!(page[0].0, "app/a");
+    assert_eq!(next.as_deref(), Some("app/a"));
+    let (page, next) = h.pg.locks("app/", Some("app/a"), 10).await.unwrap();
+    assert_eq!(
+        page.iter().map(|p| p.0.as_str()).collect::<Vec<_>>(),
+        vec!["app/b"]
+    );
+    assert_eq!(next, None);
+    let (sessions, _) = h.pg.sessions(Some("bob"), None, 10).await.unwrap();
+    assert_eq!(sessions.len(), 1);
+    assert_eq!(sessions[0].record.metadata, "{\"h\": 1}");
+    assert_eq!(sessions[0].id, b);
+    h.shift(1_100).await;
+    assert!(h.pg.session(a).await.unwrap().unwrap().grace);
+    h.shift(3_100).await;
+    let due = h.pg.reap_dry_run(10).await.unwrap();
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].locks.len(), 4);
+    assert_eq!(h.count("session").await, 2);
+    let f = h.pg.fence(&key("other"), Token(1)).await.unwrap();
+    assert!(!f.current);
+    assert!(h.pg.revision().await.unwrap() >= 6);
+    h.stop();
+}
