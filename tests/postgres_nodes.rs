@@ -96,55 +96,81 @@ async fn a_lock_held_through_one_node_is_refused_and_fenced_through_the_other() 
     assert_eq!(r.body["latest"], token_b, "{}", r.text);
 }
 
+/// A key held through `a`, a waiter through `b` (wait_ms 5000) that has waited 300 ms, then a
+/// release through `a`: how long after the release's answer the waiter was granted. Panics
+/// unless the waiter is granted, with a greater token, within its wait.
+async fn wake_lag(a: &Node, b: &Node, key: &str) -> Duration {
+    let sa = a.open("holder", 30_000).await;
+    let r = a
+        .post(&lock_path(key, "acquire"), json!({"session_id": sa}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let token = r.body["token"].as_u64().unwrap();
+
+    let sb = b.open("waiter", 30_000).await;
+    let client = b.client.clone();
+    let path = lock_path(key, "acquire");
+    let waiter = tokio::spawn(async move {
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            client.post(&path, &json!({"session_id": sb, "wait_ms": 5000})),
+        )
+        .await;
+        (Instant::now(), r)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "{key}: the waiter must still be waiting"
+    );
+    let r = a
+        .post(
+            &lock_path(key, "release"),
+            json!({"session_id": sa, "token": token}),
+        )
+        .await;
+    let released = Instant::now();
+    assert_eq!(r.status, 200, "{}", r.text);
+    let (granted, r) = waiter.await.unwrap();
+    let r = r.expect("the waiter hung").expect("the waiter's request");
+    assert_eq!(r.status, 200, "{key}: {}", r.text);
+    let t = r.body["token"].as_u64().unwrap();
+    assert!(t > token, "{key}: waiter's token {t} after {token}");
+    let r = a.delete(&format!("/v1/sessions/{sa}")).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    granted.saturating_duration_since(released)
+}
+
+/// A wake-up pushed by the releasing node arrives within this; a waiter that only re-checks
+/// on its own (every second) answers about 700 ms after a release made 300 ms into its wait.
+const PUSHED_WAKE: Duration = Duration::from_millis(400);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_on_one_node_is_granted_promptly_when_the_other_node_releases() {
     // Guards against waiters that only hear of releases made on their own node: a waiter on
-    // B left waiting until its wait_ms runs out (or polling slowly) after A released.
+    // B left waiting until its wait_ms runs out, or until it happens to ask again, after A
+    // released.
     let _serial = SERIAL.lock().await;
     let c = Cluster::start(2, None).await;
-    let (a, b) = (&c.nodes[0], &c.nodes[1]);
-    for round in 0..3 {
-        let key = format!("wait/{round}");
-        let sa = a.open("holder@a", 30_000).await;
-        let r = a
-            .post(&lock_path(&key, "acquire"), json!({"session_id": sa}))
-            .await;
-        assert_eq!(r.status, 200, "{}", r.text);
-        let token = r.body["token"].as_u64().unwrap();
-
-        let sb = b.open("waiter@b", 30_000).await;
-        let client = b.client.clone();
-        let path = lock_path(&key, "acquire");
-        let waiter = tokio::spawn(async move {
-            let r = tokio::time::timeout(
-                Duration::from_secs(10),
-                client.post(&path, &json!({"session_id": sb, "wait_ms": 5000})),
-            )
-            .await;
-            (Instant::now(), r)
-        });
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(!waiter.is_finished(), "the waiter must still be waiting");
-        let r = a
-            .post(
-                &lock_path(&key, "release"),
-                json!({"session_id": sa, "token": token}),
-            )
-            .await;
-        let released = Instant::now();
-        assert_eq!(r.status, 200, "{}", r.text);
-        let (granted, r) = waiter.await.unwrap();
-        let r = r.expect("the waiter hung").expect("the waiter's request");
-        assert_eq!(r.status, 200, "round {round}: {}", r.text);
-        let t = r.body["token"].as_u64().unwrap();
-        assert!(t > token, "round {round}: waiter's token {t} after {token}");
-        let lag = granted.saturating_duration_since(released);
+    let mut lags = Vec::new();
+    for round in 0..5 {
+        let (a, b) = (&c.nodes[round % 2], &c.nodes[1 - round % 2]);
+        let lag = wake_lag(a, b, &format!("wait/{round}")).await;
         assert!(
             lag <= Duration::from_secs(1),
-            "round {round}: the waiter on B was answered {lag:?} after A's release{}",
+            "round {round}: the waiter on {} was answered {lag:?} after the release on {}{}",
+            b.name(),
+            a.name(),
             c.logs()
         );
+        lags.push(lag);
     }
+    lags.sort();
+    eprintln!("cross-node wake-ups: {lags:?}");
+    assert!(
+        lags[lags.len() / 2] <= PUSHED_WAKE,
+        "cross-node wake-ups took {lags:?}: the waiters were not woken by the release"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -787,11 +813,118 @@ async fn kill_9_under_load_loses_no_acknowledged_grant_and_no_token_goes_back() 
     );
 }
 
+/// With the database down: `/readyz` turns 503 within 10 s (polled alone, so a node without
+/// traffic must notice by itself), then every call answers `503 backend_unavailable`.
+async fn assert_unavailable(node: &Node, session: Option<&str>, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = node.get("/readyz").await;
+        if r.status == 503 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: /readyz of {} still {} {} 10 s into the outage\n{}",
+            node.name(),
+            r.status,
+            r.text,
+            pgnodes::tail(&node.spec.log)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut calls = vec![
+        (
+            "POST",
+            "/v1/sessions".to_string(),
+            Some(json!({"owner": "probe"})),
+        ),
+        (
+            "GET",
+            format!("/v1/locks/{}", segment(&ledger::key_name(0))),
+            None,
+        ),
+        ("GET", "/v1/events?after=0&limit=10".to_string(), None),
+    ];
+    if let Some(s) = session {
+        calls.push(("GET", format!("/v1/sessions/{s}"), None));
+        calls.push((
+            "POST",
+            format!("/v1/sessions/{s}/heartbeat"),
+            Some(json!({})),
+        ));
+        calls.push((
+            "POST",
+            lock_path(&ledger::key_name(1), "acquire"),
+            Some(json!({"session_id": s})),
+        ));
+    }
+    for (method, path, body) in &calls {
+        let r = match *method {
+            "GET" => node.get(path).await,
+            _ => node.post(path, body.clone().unwrap()).await,
+        };
+        assert!(
+            r.status == 503 && r.body["error"] == "backend_unavailable",
+            "{what}: {method} {path} on {} with the database down: {} {}\n{}",
+            node.name(),
+            r.status,
+            r.text,
+            pgnodes::tail(&node.spec.log)
+        );
+    }
+    let r = node.get("/readyz").await;
+    assert_eq!(
+        r.status, 503,
+        "{what}: /readyz during the outage: {}",
+        r.text
+    );
+}
+
+/// After the database came back: ready within 20 s, and then the very next calls succeed.
+async fn assert_recovered(node: &Node, what: &str) {
+    let back = Instant::now();
+    loop {
+        let r = node.get("/readyz").await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(20),
+            "{what}: {} not ready 20 s after the database came back: {} {}\n{}",
+            node.name(),
+            r.status,
+            r.text,
+            pgnodes::tail(&node.spec.log)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "{what}: {} ready {:?} after the restart",
+        node.name(),
+        back.elapsed()
+    );
+    // Ready means serving, on every pooled connection.
+    for i in 0..10 {
+        let r = node
+            .post("/v1/sessions", json!({"owner": "after", "ttl_ms": 5000}))
+            .await;
+        assert_eq!(
+            r.status,
+            201,
+            "{what}: call {i} through {} after it said ready: {}\n{}",
+            node.name(),
+            r.text,
+            pgnodes::tail(&node.spec.log)
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_rides_out_a_postgres_restart_under_load() {
+async fn nodes_ride_out_a_postgres_restart_under_load() {
     // Guards against a node that stays wedged after its database restarts (dead pooled
-    // connections, readiness stuck false), that answers anything but 503 while the database
-    // is down (a false "session gone", a 500), or that loses acknowledged state over it.
+    // connections, readiness stuck false, a notification listener never reconnected), that
+    // says ready or answers anything but 503 while the database is down (a false "session
+    // gone", a 500), or that loses acknowledged state over it.
     let _serial = SERIAL.lock().await;
     let seed = seed();
     eprintln!("postgres restart under load, seed {seed} (rerun with PG_NODES_SEED={seed})");
@@ -800,9 +933,9 @@ async fn a_node_rides_out_a_postgres_restart_under_load() {
     pg.start();
     let schema = Schema::new(&pg.url());
     let logs = tempfile::tempdir().unwrap();
-    let spec = NodeSpec::new("A", &schema, logs.path());
-    let node = Node::start(&spec).await;
-    let fail_log = || format!("\nnode log:\n{}", pgnodes::tail(&spec.log));
+    // A carries the load; B stays idle through the outages.
+    let a = Node::start(&NodeSpec::new("A", &schema, logs.path())).await;
+    let b = Node::start(&NodeSpec::new("B", &schema, logs.path()).reaper(100)).await;
     const OUTAGES: usize = 2;
     const KEYS: usize = 10;
     const WORKERS: usize = 6;
@@ -814,7 +947,7 @@ async fn a_node_rides_out_a_postgres_restart_under_load() {
         let what = format!("outage {outage} (seed {seed})");
         let stop = Arc::new(AtomicBool::new(false));
         let in_flight: Arc<InFlight> = Arc::default();
-        let clients = vec![(node.client.clone(), true, in_flight.clone())];
+        let clients = vec![(a.client.clone(), true, in_flight.clone())];
         let tasks = ledger::spawn_workers(
             &mut slots,
             &clients,
@@ -826,122 +959,62 @@ async fn a_node_rides_out_a_postgres_restart_under_load() {
         );
         tokio::time::sleep(Duration::from_millis(rng.between(200, 500))).await;
         let pending = in_flight.now();
-        let stopping = Instant::now();
         pg.stop_fast();
         stops_in_flight += usize::from(pending > 0);
         let doubts = ledger::join_workers(tasks, &mut slots, Duration::from_secs(30)).await;
 
-        // While the database is down: not ready, and every call answers 503.
         let s = slots.iter().flatten().next().cloned();
-        let deadline = stopping + Duration::from_secs(10);
-        loop {
-            let r = node.get("/readyz").await;
-            if r.status == 503 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{what}: /readyz still {} {} 10 s into the outage{}",
-                r.status,
-                r.text,
-                fail_log()
-            );
-            let _ = node.post("/v1/sessions", json!({"owner": "probe"})).await;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let mut calls = vec![
-            (
-                "POST",
-                "/v1/sessions".to_string(),
-                Some(json!({"owner": "probe"})),
-            ),
-            (
-                "GET",
-                format!("/v1/locks/{}", segment(&ledger::key_name(0))),
-                None,
-            ),
-            ("GET", "/v1/events?after=0&limit=10".to_string(), None),
-        ];
-        if let Some(s) = &s {
-            calls.push(("GET", format!("/v1/sessions/{s}"), None));
-            calls.push((
-                "POST",
-                format!("/v1/sessions/{s}/heartbeat"),
-                Some(json!({})),
-            ));
-            calls.push((
-                "POST",
-                lock_path(&ledger::key_name(1), "acquire"),
-                Some(json!({"session_id": s})),
-            ));
-        }
-        for (method, path, body) in &calls {
-            let r = match *method {
-                "GET" => node.get(path).await,
-                _ => node.post(path, body.clone().unwrap()).await,
-            };
-            assert!(
-                r.status == 503 && r.body["error"] == "backend_unavailable",
-                "{what}: {method} {path} with the database down: {} {}{}",
-                r.status,
-                r.text,
-                fail_log()
-            );
-        }
-        let r = node.get("/readyz").await;
-        assert_eq!(
-            r.status, 503,
-            "{what}: /readyz during the outage: {}",
-            r.text
-        );
+        assert_unavailable(&b, None, &what).await;
+        assert_unavailable(&a, s.as_deref(), &what).await;
 
-        // The database comes back: the node recovers by itself.
         pg.start();
-        let back = Instant::now();
-        loop {
-            let r = node.get("/readyz").await;
-            if r.status == 200 {
-                break;
-            }
-            assert!(
-                back.elapsed() < Duration::from_secs(20),
-                "{what}: not ready 20 s after the database came back: {} {}{}",
-                r.status,
-                r.text,
-                fail_log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        eprintln!("{what}: ready again {:?} after the restart", back.elapsed());
-        // Ready means serving: the very next calls succeed, on every pooled connection.
-        for i in 0..20 {
-            let r = node
-                .post("/v1/sessions", json!({"owner": "after", "ttl_ms": 5000}))
-                .await;
-            assert_eq!(
-                r.status,
-                201,
-                "{what}: call {i} after ready: {}{}",
-                r.text,
-                fail_log()
-            );
-        }
+        assert_recovered(&a, &what).await;
+        assert_recovered(&b, &what).await;
         let mut l = std::mem::replace(&mut *ledger.lock().unwrap(), Ledger::new(KEYS));
-        ledger::verify(&node, &mut l, &what).await;
-        ledger::probe(&node, &mut l, &format!("probe/{outage}"), &what).await;
+        ledger::verify(&a, &mut l, &what).await;
+        ledger::verify(&b, &mut l, &what).await;
+        ledger::probe(&a, &mut l, &format!("probe/{outage}/a"), &what).await;
+        ledger::probe(&b, &mut l, &format!("probe/{outage}/b"), &what).await;
         assert!(
             l.violations.is_empty(),
             "{what}: {pending} requests in flight at the stop, {doubts} workers in doubt:\n- \
-             {}{}",
+             {}\n{}",
             l.violations.join("\n- "),
-            fail_log()
+            pgnodes::tail(&a.spec.log)
         );
         ledger::settle_slots(&mut slots, &l);
         *ledger.lock().unwrap() = l;
+
+        // Wake-ups across nodes come back too: within 12 s (the notification connection
+        // reconnects with a backoff of at most 5 s), a release on A wakes B's waiter at once.
+        let since = Instant::now();
+        for attempt in 0.. {
+            let lag = wake_lag(&a, &b, &format!("wake/{outage}/{attempt}")).await;
+            assert!(
+                lag <= Duration::from_secs(1),
+                "{what}: B's waiter answered {lag:?} after A's release"
+            );
+            if lag <= PUSHED_WAKE {
+                eprintln!(
+                    "{what}: cross-node wake-ups back {:?} after recovery",
+                    since.elapsed()
+                );
+                break;
+            }
+            assert!(
+                since.elapsed() < Duration::from_secs(12),
+                "{what}: 12 s after recovery B's waiters are still not woken by A's \
+                 releases (last lag {lag:?})\n{}",
+                pgnodes::tail(&b.spec.log)
+            );
+        }
     }
     // Load after the last recovery, with no failure allowed.
     let stop = Arc::new(AtomicBool::new(false));
-    let clients = vec![(node.client.clone(), false, Arc::default())];
+    let clients = vec![
+        (a.client.clone(), false, Arc::default()),
+        (b.client.clone(), false, Arc::default()),
+    ];
     let tasks = ledger::spawn_workers(
         &mut slots,
         &clients,
@@ -955,12 +1028,12 @@ async fn a_node_rides_out_a_postgres_restart_under_load() {
     stop.store(true, Ordering::SeqCst);
     ledger::join_workers(tasks, &mut slots, Duration::from_secs(30)).await;
     let mut l = std::mem::replace(&mut *ledger.lock().unwrap(), Ledger::new(KEYS));
-    ledger::verify(&node, &mut l, "after the outages").await;
+    ledger::verify(&b, &mut l, "after the outages").await;
     assert!(
         l.violations.is_empty(),
-        "after the outages:\n- {}{}",
+        "after the outages:\n- {}\n{}",
         l.violations.join("\n- "),
-        fail_log()
+        pgnodes::tail(&a.spec.log)
     );
     eprintln!(
         "{OUTAGES} outages, {stops_in_flight} with requests in flight: {:?}",
@@ -971,6 +1044,6 @@ async fn a_node_rides_out_a_postgres_restart_under_load() {
         "too little load to test anything: {stops_in_flight} stops in flight, {:?}",
         l.stats
     );
-    drop(node);
+    drop((a, b));
     drop(schema);
 }
