@@ -182,7 +182,7 @@ async fn grants_interleaved_across_nodes_get_strictly_increasing_tokens() {
     let c = Cluster::start(2, None).await;
     const KEYS: usize = 3;
     const TASKS: usize = 6;
-    const ROUNDS: usize = 15;
+    const ROUNDS: usize = 40;
     #[derive(Debug, Clone)]
     struct Grant {
         key: usize,
@@ -433,6 +433,107 @@ async fn sessions_left_to_expire_are_ended_exactly_once_with_two_reapers() {
     for node in &c.nodes {
         let r = node.get("/v1/pools/expiry").await;
         assert_eq!(r.body["in_use"], 0, "{}", r.text);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_heartbeated_through_either_node_are_never_reaped() {
+    // Guards against a reaper (or a contender) on one node judging a session by a deadline
+    // the other node has already moved on: a live client reaped while its heartbeats arrive
+    // within its TTL, through whichever node.
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start(2, Some(100)).await;
+    const SESSIONS: usize = 8;
+    const TTL_MS: u64 = 1000;
+    let mut ids = Vec::new();
+    for i in 0..SESSIONS {
+        let s = c.nodes[i % 2].open(&format!("alive-{i}"), TTL_MS).await;
+        let r = c.nodes[i % 2]
+            .post(
+                &lock_path(&format!("alive/{i}"), "acquire"),
+                json!({"session_id": s}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        ids.push(s);
+    }
+    let contender = c.nodes[1].open("contender", 30_000).await;
+    // Each session heartbeats every 200 ms, alternating nodes, for 3.5 s (three and a half
+    // TTLs), while a contender on each node keeps asking for the keys.
+    let started = Instant::now();
+    let until = started + Duration::from_millis(3500);
+    let mut beaters = Vec::new();
+    for (i, s) in ids.iter().enumerate() {
+        let clients = [c.nodes[0].client.clone(), c.nodes[1].client.clone()];
+        let s = s.clone();
+        beaters.push(tokio::spawn(async move {
+            // The longest time from one heartbeat's request to the next one's answer.
+            let mut widest = Duration::ZERO;
+            let mut last_sent = Instant::now();
+            for round in 0..100usize {
+                if Instant::now() > until {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let sent = Instant::now();
+                let r = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    clients[(i + round) % 2]
+                        .post(&format!("/v1/sessions/{s}/heartbeat"), &json!({})),
+                )
+                .await
+                .expect("heartbeat hung")
+                .expect("heartbeat");
+                widest = widest.max(sent.elapsed().max(Instant::now() - last_sent));
+                last_sent = sent;
+                assert_eq!(
+                    r.status,
+                    200,
+                    "heartbeat {round} of live session {i} (node {}; widest gap between its \
+                     heartbeats {widest:?}): {}",
+                    (i + round) % 2,
+                    r.text
+                );
+            }
+            widest
+        }));
+    }
+    let mut asks = 0;
+    while Instant::now() < until {
+        for i in 0..SESSIONS {
+            let r = c.nodes[(i + asks) % 2]
+                .post(
+                    &lock_path(&format!("alive/{i}"), "acquire"),
+                    json!({"session_id": contender}),
+                )
+                .await;
+            assert_eq!(r.status, 409, "a live holder's key was granted: {}", r.text);
+        }
+        asks += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for t in beaters {
+        let widest = t.await.unwrap();
+        assert!(
+            widest < Duration::from_millis(TTL_MS - 200),
+            "the test could not keep its heartbeats within the TTL (a gap of {widest:?})"
+        );
+    }
+    let events = all_events(&c.nodes[0], 1000).await;
+    let ended: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "session_expired")
+        .collect();
+    assert!(ended.is_empty(), "live sessions were reaped: {ended:?}");
+    for (i, s) in ids.iter().enumerate() {
+        let r = c.nodes[i % 2].get(&format!("/v1/sessions/{s}")).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(
+            r.body["locks"].as_array().map(Vec::len),
+            Some(1),
+            "{}",
+            r.text
+        );
     }
 }
 
