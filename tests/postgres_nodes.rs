@@ -905,8 +905,8 @@ async fn kill_9_under_load_loses_no_acknowledged_grant_and_no_token_goes_back() 
         "only {kills_in_flight} of {CYCLES} kills landed with requests in flight"
     );
     assert!(
-        l.stats.acquired >= 10 * CYCLES as u64
-            && l.stats.released >= 5 * CYCLES as u64
+        l.stats.acquired >= 5 * CYCLES as u64
+            && l.stats.released >= 2 * CYCLES as u64
             && l.stats.closed >= 1
             && l.stats.in_doubt >= 1,
         "too little load to test anything: {:?}",
@@ -1141,7 +1141,7 @@ async fn nodes_ride_out_a_postgres_restart_under_load() {
         l.stats
     );
     assert!(
-        stops_in_flight >= 1 && l.stats.acquired >= 20 && l.stats.unavailable >= 1,
+        stops_in_flight >= 1 && l.stats.acquired >= 10 && l.stats.unavailable >= 1,
         "too little load to test anything: {stops_in_flight} stops in flight, {:?}",
         l.stats
     );
