@@ -27,6 +27,9 @@ use crate::domain::{LockKey, Mono, PoolName, QueueName};
 /// How often a waiter looks at the clock for its deadline.
 pub const POLL: Duration = Duration::from_millis(100);
 
+/// The longest a request that does not wait stands behind the line for its turn.
+pub const TURN: Duration = Duration::from_secs(2);
+
 /// What a waiter waits for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Resource {
@@ -64,6 +67,9 @@ impl Resource {
 pub enum Step<T, B> {
     Done(T),
     Busy(B),
+    /// Not taken because others wait ahead, though there may be room once they are served:
+    /// even a request that does not wait takes its turn behind them before it is answered.
+    Room(B),
 }
 
 struct Line {
@@ -170,7 +176,8 @@ impl Waiting {
     }
 
     /// Runs `attempt` until it is done or `deadline` (on the injected clock) has passed;
-    /// `None` asks once and never waits. `attempt(may_take)` must not take the resource when
+    /// `None` asks once and does not wait for the resource (though it may wait its turn behind
+    /// the line, see [`Step::Room`]). `attempt(may_take)` must not take the resource when
     /// `may_take` is false. Returns the last busy outcome when the wait ends without it.
     pub async fn run<T, B, F, Fut>(
         &self,
@@ -186,21 +193,28 @@ impl Waiting {
             return Err(BackendError::ShuttingDown);
         }
         let ahead = self.waiting(&resource) > 0;
-        let mut last = match attempt(!ahead).await? {
+        let (mut last, room) = match attempt(!ahead).await? {
             Step::Done(t) => return Ok(Step::Done(t)),
-            Step::Busy(b) => b,
+            Step::Busy(b) => (b, false),
+            Step::Room(b) => (b, true),
         };
-        let Some(deadline) = deadline else {
+        // A request that does not wait but found room behind the line waits its turn, and
+        // no longer than TURN, then asks once.
+        let turn = (deadline.is_none() && room).then(|| Instant::now() + TURN);
+        if deadline.is_none() && turn.is_none() {
             return Ok(Step::Busy(last));
-        };
+        }
         let ticket = self.join(&resource);
         let mut drain = self.drain.subscribe();
         let mut asked = Instant::now();
+        let over = |last_now: Instant| {
+            deadline.is_some_and(|d| self.clock.now() >= d) || turn.is_some_and(|t| last_now >= t)
+        };
         loop {
             if self.is_draining() {
                 return Err(BackendError::ShuttingDown);
             }
-            if self.clock.now() >= deadline {
+            if over(Instant::now()) {
                 return Ok(Step::Busy(last));
             }
             let woken = tokio::select! {
@@ -211,14 +225,15 @@ impl Waiting {
             if self.is_draining() {
                 return Err(BackendError::ShuttingDown);
             }
-            if self.clock.now() >= deadline {
+            if over(Instant::now()) {
                 return Ok(Step::Busy(last));
             }
-            if ticket.is_head() && (woken || asked.elapsed() >= self.recheck) {
+            if ticket.is_head() && (woken || turn.is_some() || asked.elapsed() >= self.recheck) {
                 asked = Instant::now();
                 match attempt(true).await? {
                     Step::Done(t) => return Ok(Step::Done(t)),
-                    Step::Busy(b) => last = b,
+                    Step::Busy(b) | Step::Room(b) if turn.is_some() => return Ok(Step::Busy(b)),
+                    Step::Busy(b) | Step::Room(b) => last = b,
                 }
             }
         }

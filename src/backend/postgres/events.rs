@@ -20,14 +20,20 @@ SELECT seq, {ns}.ms(at), kind, session_id, key, token, reason, owner, released::
        queue, job_id, detail
 FROM {ns}.event WHERE seq > $1 ORDER BY seq LIMIT $2";
 
-/// Old numbered events, a bounded batch at a time.
+/// The oldest numbered events past the retention, a bounded batch at a time, from the
+/// start of the log: trimming never leaves a hole behind a cursor.
 const TRIM: &str = "
-WITH d AS (
-    DELETE FROM {ns}.event WHERE id IN (
-        SELECT id FROM {ns}.event
-        WHERE at < {ns}.db_now() - $1::bigint * interval '1 millisecond' AND seq IS NOT NULL
-        LIMIT $2)
-    RETURNING 1)
+WITH oldest AS MATERIALIZED (
+    SELECT id, seq, at FROM {ns}.event WHERE seq IS NOT NULL ORDER BY seq LIMIT $2
+),
+cut AS MATERIALIZED (
+    SELECT coalesce(min(seq), 9223372036854775807) AS seq FROM oldest
+    WHERE at >= {ns}.db_now() - $1::bigint * interval '1 millisecond'
+),
+d AS (
+    DELETE FROM {ns}.event WHERE id IN (SELECT id FROM oldest, cut WHERE oldest.seq < cut.seq)
+    RETURNING 1
+)
 SELECT count(*) FROM d";
 
 fn kind(text: &str) -> Option<EventKind> {

@@ -45,6 +45,8 @@ e AS (
 )
 SELECT id, token, attempt, recovery_count, kind FROM c";
 
+const ANY_QUEUED: &str = "SELECT 1 FROM {ns}.job WHERE queue = $1 AND status = 'queued' LIMIT 1";
+
 const JOB_EXISTS: &str = "SELECT 1 FROM {ns}.job WHERE id = $1";
 
 const JOB_FOR_UPDATE: &str =
@@ -141,7 +143,7 @@ fn add(counts: &mut QueueCounts, status: &str, n: i64) {
 }
 
 enum Finished {
-    Done(u64),
+    Done(u64, String),
     NotFound,
     Stale,
 }
@@ -166,6 +168,7 @@ impl Postgres {
             )
             .await?
             .ok_or_else(|| BackendError::Unavailable("the enqueue returned nothing".into()))?;
+        self.gauge_queue(job.queue.as_str(), "queued", 1);
         self.waiting().wake(&Resource::Queue(job.queue));
         Ok((id, row.get::<_, i64>(0) as u64))
     }
@@ -186,13 +189,15 @@ impl Postgres {
             .await?;
         match step {
             Step::Done(c) => {
+                self.gauge_queue(queue.as_str(), "queued", -1);
+                self.gauge_queue(queue.as_str(), "claimed", 1);
                 self.inner
                     .metrics
                     .claim_wait_seconds
                     .observe(started.elapsed().as_secs_f64());
                 Ok(Some(c))
             }
-            Step::Busy(()) => Ok(None),
+            Step::Busy(()) | Step::Room(()) => Ok(None),
         }
     }
 
@@ -210,8 +215,11 @@ impl Postgres {
                         .await?;
                     Err(BackendError::SessionGone)
                 }
-                Some(_) if !may_take => Ok(None),
-                Some(_) => Ok(self
+                Some(_) if !may_take => {
+                    let any = self.q_one(&tx, ANY_QUEUED, &[&queue.as_str()]).await?;
+                    Ok(Err(any.is_some()))
+                }
+                Some(_) => Ok(Ok(self
                     .q_one(&tx, CLAIM, &[&queue.as_str(), &id.0])
                     .await?
                     .map(|r| {
@@ -224,12 +232,14 @@ impl Postgres {
                             kind: r.get(4),
                             revision: token,
                         }
-                    })),
+                    }))),
             }
         })??;
         Ok(match claimed {
-            Some(c) => Step::Done(c),
-            None => Step::Busy(()),
+            Ok(Some(c)) => Step::Done(c),
+            Ok(None) | Err(false) => Step::Busy(()),
+            // Jobs are there, but others wait ahead of the caller.
+            Err(true) => Step::Room(()),
         })
     }
 
@@ -291,14 +301,17 @@ impl Postgres {
                     {
                         after.freed.push(Resource::Queue(q));
                     }
-                    Finished::Done(row.get::<_, i64>(0) as u64)
+                    let queue = current.map(|r| r.get::<_, String>(3)).unwrap_or_default();
+                    Finished::Done(row.get::<_, i64>(0) as u64, queue)
                 }
             }
         })?;
         match outcome {
             Finished::NotFound => Err(BackendError::JobNotFound),
             Finished::Stale => Err(BackendError::StaleToken),
-            Finished::Done(revision) => {
+            Finished::Done(revision, queue) => {
+                self.gauge_queue(&queue, "claimed", -1);
+                self.gauge_queue(&queue, status, 1);
                 if status == "failed" {
                     self.inner
                         .metrics
@@ -315,7 +328,7 @@ impl Postgres {
 
     /// Sends a failed job back to the tail of its queue with its recovery count reset.
     pub async fn requeue(&self, job: JobId) -> Result<u64> {
-        transact!(self, |tx, after| {
+        let r = transact!(self, |tx, after| {
             match self.q_one(&tx, JOB_FOR_UPDATE, &[&job.0]).await? {
                 None => Err(BackendError::JobNotFound),
                 Some(r) if r.get::<_, String>(0) != "failed" => Err(BackendError::JobNotFailed),
@@ -326,13 +339,18 @@ impl Postgres {
                         .ok_or(Fail::Answer(BackendError::Unavailable(
                             "the requeue returned nothing".into(),
                         )))?;
-                    if let Ok(q) = QueueName::parse("queue", &row.get::<_, String>(1)) {
+                    let queue: String = row.get(1);
+                    if let Ok(q) = QueueName::parse("queue", &queue) {
                         after.freed.push(Resource::Queue(q));
                     }
-                    Ok(row.get::<_, i64>(0) as u64)
+                    Ok((row.get::<_, i64>(0) as u64, queue))
                 }
             }
-        })?
+        })?;
+        let (revision, queue) = r?;
+        self.gauge_queue(&queue, "failed", -1);
+        self.gauge_queue(&queue, "queued", 1);
+        Ok(revision)
     }
 
     pub async fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>> {

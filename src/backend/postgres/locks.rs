@@ -75,6 +75,8 @@ enum Try {
     /// The caller already holds the key.
     Own(Token, u64),
     Held,
+    /// Free, but others wait ahead of the caller.
+    Behind,
     TooMany(usize),
     Granted(Token),
 }
@@ -103,7 +105,7 @@ impl Postgres {
             .await?;
         match step {
             Step::Done(g) => Ok(g),
-            Step::Busy(()) => Err(BackendError::LockHeld),
+            Step::Busy(()) | Step::Room(()) => Err(BackendError::LockHeld),
         }
     }
 
@@ -151,8 +153,10 @@ impl Postgres {
                             .await?;
                         free = self.q_one(&tx, HOLDER, &[&key.as_str()]).await?.is_none();
                     }
-                    if !free || !may_take {
+                    if !free {
                         Try::Held
+                    } else if !may_take {
+                        Try::Behind
                     } else if held >= max {
                         Try::TooMany(held)
                     } else {
@@ -172,8 +176,10 @@ impl Postgres {
             Try::TooMany(n) => return Err(BackendError::TooManyLocks(n)),
             Try::Own(token, revision) => Step::Done(Granted { token, revision }),
             Try::Held => Step::Busy(()),
+            Try::Behind => Step::Room(()),
             Try::Granted(token) => {
                 self.inner.metrics.locks_acquired.inc();
+                self.inner.metrics.locks_held.inc();
                 Step::Done(Granted {
                     token,
                     revision: token.0,
@@ -193,6 +199,7 @@ impl Postgres {
         match rows.first() {
             Some(row) => {
                 self.inner.metrics.locks_released.inc();
+                self.inner.metrics.locks_held.dec();
                 self.waiting().wake(&Resource::Lock(key));
                 Ok(row.get::<_, i64>(0) as u64)
             }

@@ -69,7 +69,7 @@ use crate::domain::{
 };
 use crate::engine::EngineConfig;
 use crate::engine::waiting::{Resource, Waiting};
-use crate::metrics::{Metrics, ReasonLabel};
+use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
 pub use errors::{PgError, redact};
 pub use schema::MigrateError;
 use sessions::EndedRow;
@@ -101,8 +101,10 @@ impl PgSettings {
             .parse()
             .map_err(|e| StartError::BadUrl(redact(&self.url), format!("{e}")))?;
         let idle_in_tx = (self.statement_timeout_ms * 2).max(10_000);
+        // No JIT: the end statement's estimated cost passes the JIT threshold, and compiling
+        // it took longer than running it (0.7 s of a 1.1 s pass of 10 000 sessions).
         pg.options(format!(
-            "-c statement_timeout={} -c idle_in_transaction_session_timeout={idle_in_tx}",
+            "-c statement_timeout={} -c idle_in_transaction_session_timeout={idle_in_tx} -c jit=off",
             self.statement_timeout_ms
         ));
         pg.application_name("leasehold");
@@ -156,6 +158,7 @@ pub(crate) struct Inner {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Pools and queues the gauges last showed, to remove the series of deleted ones.
     gauge_pools: Mutex<Vec<String>>,
+    gauge_queues: Mutex<Vec<String>>,
 }
 
 /// The PostgreSQL backend's handle. Cheap to clone.
@@ -194,6 +197,8 @@ impl From<deadpool_postgres::PoolError> for Fail {
 #[derive(Default)]
 pub(crate) struct After {
     pub freed: Vec<Resource>,
+    /// Too much was freed to name: every waiter is woken.
+    pub everything: bool,
     pub ended: Vec<EndedRow>,
 }
 
@@ -201,6 +206,7 @@ impl After {
     pub fn ended(&mut self, rows: Vec<EndedRow>) {
         for row in &rows {
             self.freed.extend(row.freed());
+            self.everything |= row.listed.is_none();
         }
         self.ended.extend(rows);
     }
@@ -296,10 +302,16 @@ impl Postgres {
                 stop: watch::channel(false).0,
                 tasks: Mutex::new(Vec::new()),
                 gauge_pools: Mutex::new(Vec::new()),
+                gauge_queues: Mutex::new(Vec::new()),
             }),
         };
         match pg.bootstrap().await {
-            Ok(()) => pg.start_tasks(),
+            Ok(()) => {
+                if let Err(e) = pg.refresh_gauges().await {
+                    tracing::debug!(error = %e, "cannot refresh the gauges");
+                }
+                pg.start_tasks();
+            }
             Err(MigrateError::Db(e)) => {
                 tracing::warn!(
                     url = %pg.inner.url,
@@ -481,13 +493,13 @@ impl Postgres {
         tx: &deadpool_postgres::Transaction<'_>,
         after: &After,
     ) -> std::result::Result<(), PgError> {
-        if after.freed.is_empty() {
+        if after.freed.is_empty() && !after.everything {
             return Ok(());
         }
         let mut payloads: Vec<String> = after.freed.iter().map(Resource::to_payload).collect();
         payloads.sort();
         payloads.dedup();
-        if payloads.len() > NOTIFY_EACH_MAX {
+        if payloads.len() > NOTIFY_EACH_MAX || after.everything {
             payloads = vec!["*".into()];
         }
         let st = tx
@@ -501,25 +513,85 @@ impl Postgres {
     /// other nodes'), count the sessions ended.
     pub(crate) fn committed(&self, after: After) {
         self.inner.db_ok.store(true, Ordering::SeqCst);
+        if after.everything {
+            self.inner.waiting.wake_all();
+        }
         for r in &after.freed {
             self.inner.waiting.wake(r);
         }
         self.tally(&after.ended);
+        if after.everything {
+            // What was not named cannot move the gauges one by one.
+            let pg = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = pg.refresh_gauges().await {
+                    tracing::debug!(error = %e, "cannot refresh the gauges");
+                }
+            });
+        }
+    }
+
+    /// Moves this node's gauges by what it changed itself; the periodic refresh brings in
+    /// what other nodes changed.
+    pub(crate) fn gauge_queue(&self, queue: &str, state: &'static str, delta: i64) {
+        {
+            let mut shown = self.inner.gauge_queues.lock();
+            if !shown.iter().any(|q| q == queue) {
+                shown.push(queue.to_string());
+            }
+        }
+        self.inner
+            .metrics
+            .jobs
+            .get_or_create(&QueueStateLabels {
+                queue: queue.into(),
+                state,
+            })
+            .inc_by(delta);
+    }
+
+    pub(crate) fn gauge_seats(&self, pool: &str, delta: i64) {
+        {
+            let mut shown = self.inner.gauge_pools.lock();
+            if !shown.iter().any(|p| p == pool) {
+                shown.push(pool.to_string());
+            }
+        }
+        self.inner
+            .metrics
+            .seats_in_use
+            .get_or_create(&PoolLabel { pool: pool.into() })
+            .inc_by(delta);
     }
 
     pub(crate) fn tally(&self, ended: &[EndedRow]) {
         let m = &self.inner.metrics;
+        m.sessions_active.dec_by(ended.len() as i64);
         for e in ended {
+            m.locks_held.dec_by(e.locks as i64);
+            if let Some(freed) = &e.listed {
+                for pool in &freed.pools {
+                    self.gauge_seats(pool, -1);
+                }
+                for queue in &freed.recovered {
+                    self.gauge_queue(queue, "claimed", -1);
+                    self.gauge_queue(queue, "queued", 1);
+                }
+                for queue in &freed.failed {
+                    self.gauge_queue(queue, "claimed", -1);
+                    self.gauge_queue(queue, "failed", 1);
+                }
+            }
             m.sessions_ended
                 .get_or_create(&ReasonLabel {
                     reason: e.reason.as_str().into(),
                 })
                 .inc();
             if e.reason == EndReason::Expired {
-                m.locks_released_by_expiry.inc_by(e.keys.len() as u64);
+                m.locks_released_by_expiry.inc_by(e.locks as u64);
             }
-            m.seats_reclaimed.inc_by(e.pools.len() as u64);
-            m.jobs_recovered.inc_by(e.recovered.len() as u64);
+            m.seats_reclaimed.inc_by(e.seats as u64);
+            m.jobs_recovered.inc_by(e.recovered as u64);
             for reason in &e.failed {
                 m.jobs_failed
                     .get_or_create(&ReasonLabel {
@@ -564,7 +636,7 @@ impl Postgres {
     }
 
     /// Refreshes the gauges from the database: other nodes change what they count.
-    async fn refresh_gauges(&self) -> Result<()> {
+    pub(crate) async fn refresh_gauges(&self) -> Result<()> {
         let m = &self.inner.metrics;
         if let Some(row) = self
             .query_opt(
@@ -586,8 +658,14 @@ impl Postgres {
         for gone in old.iter().filter(|p| !names.contains(p)) {
             m.set_pool(gone, None);
         }
-        for (queue, counts) in self.all_queue_counts().await? {
+        let queues = self.all_queue_counts().await?;
+        let names: Vec<String> = queues.iter().map(|q| q.0.clone()).collect();
+        for (queue, counts) in queues {
             m.set_queue(&queue, counts);
+        }
+        let old = std::mem::replace(&mut *self.inner.gauge_queues.lock(), names.clone());
+        for gone in old.iter().filter(|q| !names.contains(q)) {
+            m.set_queue(gone, crate::domain::QueueCounts::default());
         }
         Ok(())
     }
@@ -681,7 +759,10 @@ pub async fn check(
          WHERE t.token > r.v LIMIT 100",
         "SELECT 'session ' || id || ' expires before it was created'
          FROM {ns}.session WHERE expires_at <= created_at LIMIT 100",
-        "SELECT 'two locks of one key ' || key FROM {ns}.lock GROUP BY key HAVING count(*) > 1",
+        "SELECT 'event ' || e.seq || ' is numbered above the event counter ' || c.last
+         FROM {ns}.event e, {ns}.event_counter c WHERE e.seq > c.last LIMIT 100",
+        "SELECT 'the event counter has ' || count(*) || ' rows, not one'
+         FROM {ns}.event_counter HAVING count(*) <> 1",
     ];
     for sql in checks {
         for row in client.query(&q(sql), &[]).await? {

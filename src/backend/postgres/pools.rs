@@ -105,7 +105,15 @@ enum Seat {
     NoPool,
     Gone,
     Own(Token, u64),
-    Full { capacity: u32, in_use: usize },
+    Full {
+        capacity: u32,
+        in_use: usize,
+    },
+    /// Room, but others wait ahead of the caller.
+    Behind {
+        capacity: u32,
+        in_use: usize,
+    },
     Granted(Token),
 }
 
@@ -128,7 +136,7 @@ impl Postgres {
             self.config().limits.metadata(m)?;
         }
         let capacity = capacity as i32;
-        transact!(self, |tx, after| {
+        let put = transact!(self, |tx, after| {
             // Two nodes creating the same pool at once: the second waits here, then finds
             // the row and resizes it.
             self.q(&tx, NAME_LOCK, &[&self.class(), &name.as_str()])
@@ -152,7 +160,16 @@ impl Postgres {
                 revision: row.get::<_, i64>(0) as u64,
                 created,
             }
-        })
+        })?;
+        self.inner
+            .metrics
+            .seats_capacity
+            .get_or_create(&crate::metrics::PoolLabel {
+                pool: name.to_string(),
+            })
+            .set(i64::from(capacity));
+        self.gauge_seats(name.as_str(), 0);
+        Ok(put)
     }
 
     /// Deletes a pool with no seat in use; holders past their deadline are ended first and
@@ -220,7 +237,7 @@ impl Postgres {
                     .observe(started.elapsed().as_secs_f64());
                 Ok(g)
             }
-            Step::Busy((capacity, in_use)) => {
+            Step::Busy((capacity, in_use)) | Step::Room((capacity, in_use)) => {
                 self.inner.metrics.seats_refused.inc();
                 Err(BackendError::PoolExhausted { capacity, in_use })
             }
@@ -271,8 +288,10 @@ impl Postgres {
                                     .await?;
                                 in_use -= ended.len().min(in_use);
                             }
-                            if in_use >= capacity as usize || !may_take {
+                            if in_use >= capacity as usize {
                                 Seat::Full { capacity, in_use }
+                            } else if !may_take {
+                                Seat::Behind { capacity, in_use }
                             } else {
                                 let row = self
                                     .q_one(&tx, TAKE_SEAT, &[&pool.as_str(), &id.0, metadata])
@@ -292,10 +311,14 @@ impl Postgres {
             Seat::Gone => return Err(BackendError::SessionGone),
             Seat::Own(token, revision) => Step::Done(Granted { token, revision }),
             Seat::Full { capacity, in_use } => Step::Busy((capacity, in_use)),
-            Seat::Granted(token) => Step::Done(Granted {
-                token,
-                revision: token.0,
-            }),
+            Seat::Behind { capacity, in_use } => Step::Room((capacity, in_use)),
+            Seat::Granted(token) => {
+                self.gauge_seats(pool.as_str(), 1);
+                Step::Done(Granted {
+                    token,
+                    revision: token.0,
+                })
+            }
         })
     }
 
@@ -308,6 +331,7 @@ impl Postgres {
             )
             .await?;
         if let Some(row) = rows.first() {
+            self.gauge_seats(pool.as_str(), -1);
             self.waiting().wake(&Resource::Pool(pool));
             return Ok(row.get::<_, i64>(0) as u64);
         }

@@ -117,12 +117,9 @@ impl Postgres {
         })?;
         Ok(rows.map(|rows| ReapOutcome {
             sessions: rows.len(),
-            locks: rows.iter().map(|r| r.keys.len()).sum(),
-            seats: rows.iter().map(|r| r.pools.len()).sum(),
-            jobs: rows
-                .iter()
-                .map(|r| r.recovered.len() + r.failed.len())
-                .sum(),
+            locks: rows.iter().map(|r| r.locks).sum(),
+            seats: rows.iter().map(|r| r.seats).sum(),
+            jobs: rows.iter().map(|r| r.recovered + r.failed.len()).sum(),
         }))
     }
 
@@ -132,11 +129,13 @@ impl Postgres {
         let mut total = ReapOutcome::default();
         loop {
             let pass = self.pass(true).await?.unwrap_or_default();
+            self.retention().await?;
             total.sessions += pass.sessions;
             total.locks += pass.locks;
             total.seats += pass.seats;
             total.jobs += pass.jobs;
             if pass.sessions < self.config().reaper_batch.max(1) {
+                self.refresh_gauges().await?;
                 return Ok(total);
             }
         }
@@ -144,7 +143,7 @@ impl Postgres {
 
     /// Purges finished jobs and trims audit events past their retention, one bounded batch
     /// each.
-    async fn retention(&self) -> Result<()> {
+    pub(crate) async fn retention(&self) -> Result<()> {
         let c = self.config();
         self.query(
             PURGE_JOBS,

@@ -113,7 +113,7 @@ CREATE INDEX job_finished_idx ON {ns}.job (updated_at) WHERE status IN ('done', 
 -- is assigned after commit by number_events and only ever in commit order.
 CREATE TABLE {ns}.event (
     id bigserial PRIMARY KEY,
-    seq bigint UNIQUE,
+    seq bigint,
     at timestamptz NOT NULL DEFAULT {ns}.db_now(),
     kind text NOT NULL,
     session_id uuid,
@@ -127,7 +127,14 @@ CREATE TABLE {ns}.event (
     job_id uuid,
     detail text
 );
-CREATE INDEX event_at_idx ON {ns}.event (at);
+-- Both partial, so that an insert (unnumbered) touches only the second: inserting events is
+-- on the path of every mutation and of the reaper, numbering them is not.
+CREATE UNIQUE INDEX event_seq_idx ON {ns}.event (seq) WHERE seq IS NOT NULL;
+CREATE INDEX event_unnumbered_idx ON {ns}.event (id) WHERE seq IS NULL;
+-- The last sequence number given. Kept apart from the events so that numbers never repeat
+-- once old events are trimmed.
+CREATE TABLE {ns}.event_counter (last bigint NOT NULL);
+INSERT INTO {ns}.event_counter VALUES (0);
 
 -- Numbers committed, unnumbered events in insertion order, after every number already
 -- given. Serialised by an advisory lock held to the end of the caller's transaction: a
@@ -147,12 +154,13 @@ BEGIN
         RETURN -1;
     END IF;
     LOOP
-        SELECT coalesce(max(seq), 0) INTO base FROM {ns}.event;
+        SELECT last INTO base FROM {ns}.event_counter;
         UPDATE {ns}.event e SET seq = base + o.rn
         FROM (SELECT id, row_number() OVER (ORDER BY id) AS rn
               FROM {ns}.event WHERE seq IS NULL ORDER BY id LIMIT batch) o
         WHERE e.id = o.id;
         GET DIAGNOSTICS n = ROW_COUNT;
+        UPDATE {ns}.event_counter SET last = base + n WHERE n > 0;
         total := total + n;
         EXIT WHEN n < batch;
     END LOOP;

@@ -20,9 +20,11 @@ use crate::engine::waiting::Resource;
 /// reads the snapshot the statement started with, and the cascade runs at its end, so the
 /// locks and seats read here are exactly the ones the cascade removes.
 ///
-/// One row per ended session, in revision order: id, reason, revision, the keys released (in token order), the
-/// pools whose seat was reclaimed, the queues a job was recovered into, the reasons jobs
-/// failed.
+/// One row per ended session, in revision order: id, reason, revision, how many locks and
+/// seats it released and jobs it recovered, the reasons jobs failed; and, when the whole
+/// statement freed no more than a notification can list one by one, the keys released (in
+/// token order), the pools whose seat was reclaimed, the queues jobs were recovered into and
+/// failed in. A mass expiry frees too many to list: everyone is woken instead.
 const END: &str = r#"
 WITH target AS MATERIALIZED ({source}),
 ended AS MATERIALIZED (
@@ -30,6 +32,11 @@ ended AS MATERIALIZED (
 ),
 locks AS MATERIALIZED (
     SELECT l.session_id, l.key, l.token FROM {ns}.lock l JOIN ended e ON l.session_id = e.id
+),
+lockgroups AS MATERIALIZED (
+    SELECT session_id, array_agg(key::text ORDER BY token) AS keys,
+           jsonb_agg(jsonb_build_object('key', key, 'token', token) ORDER BY token) AS list
+    FROM locks GROUP BY session_id
 ),
 seats AS MATERIALIZED (
     SELECT st.session_id, st.pool, st.token FROM {ns}.seat st JOIN ended e ON st.session_id = e.id
@@ -70,27 +77,33 @@ events AS (
                              WHEN 'expired' THEN 'session_expired'
                              ELSE 'session_ended_by_admin' END,
                e.id, NULL, e.reason, NULL, NULL, NULL, NULL, coalesce(r.list, '[]'::jsonb)
-        FROM ended e LEFT JOIN (
-            SELECT session_id,
-                   jsonb_agg(jsonb_build_object('key', key, 'token', token) ORDER BY token) AS list
-            FROM locks GROUP BY session_id
-        ) r ON r.session_id = e.id
+        FROM ended e LEFT JOIN lockgroups r ON r.session_id = e.id
     ) x ORDER BY rev, part, sort
 ),
 gone AS (
     DELETE FROM {ns}.session s USING ended e WHERE s.id = e.id
+),
+listed AS MATERIALIZED (
+    SELECT (SELECT count(*) FROM locks) + (SELECT count(*) FROM seats)
+           + (SELECT count(*) FROM jobs) <= 64 AS yes
 )
 SELECT e.id, e.reason, e.revision,
-       coalesce(l.keys, '{}'::text[]), coalesce(st.pools, '{}'::text[]),
-       coalesce(j.queues, '{}'::text[]), coalesce(j.reasons, '{}'::text[])
+       coalesce(cardinality(l.keys), 0)::bigint, coalesce(st.n, 0)::bigint,
+       coalesce(j.recovered, 0)::bigint, coalesce(j.reasons, '{}'::text[]),
+       CASE WHEN listed.yes THEN coalesce(l.keys, '{}'::text[]) END,
+       CASE WHEN listed.yes THEN coalesce(st.pools, '{}'::text[]) END,
+       CASE WHEN listed.yes THEN coalesce(j.queues, '{}'::text[]) END,
+       CASE WHEN listed.yes THEN coalesce(j.failed_queues, '{}'::text[]) END
 FROM ended e
-LEFT JOIN (SELECT session_id, array_agg(key::text ORDER BY token) AS keys
-           FROM locks GROUP BY session_id) l ON l.session_id = e.id
-LEFT JOIN (SELECT session_id, array_agg(pool::text ORDER BY pool) AS pools
+CROSS JOIN listed
+LEFT JOIN lockgroups l ON l.session_id = e.id
+LEFT JOIN (SELECT session_id, count(*) AS n, array_agg(pool::text ORDER BY pool) AS pools
            FROM seats GROUP BY session_id) st ON st.session_id = e.id
 LEFT JOIN (SELECT session_id,
+                  count(*) FILTER (WHERE status = 'queued') AS recovered,
                   array_agg(queue::text) FILTER (WHERE status = 'queued') AS queues,
-                  array_agg(reason) FILTER (WHERE status = 'failed') AS reasons
+                  array_agg(reason) FILTER (WHERE status = 'failed') AS reasons,
+                  array_agg(queue::text) FILTER (WHERE status = 'failed') AS failed_queues
            FROM jobs GROUP BY session_id) j ON j.session_id = e.id
 ORDER BY e.revision
 "#;
@@ -142,6 +155,17 @@ pub(super) static END_EXPIRED_SEAT_HOLDERS: LazyLock<String> = LazyLock::new(|| 
 pub(crate) struct EndedRow {
     pub reason: EndReason,
     pub revision: u64,
+    pub locks: usize,
+    pub seats: usize,
+    pub recovered: usize,
+    /// Why each failed job failed.
+    pub failed: Vec<String>,
+    /// What it freed, by name; `None` when the statement freed too much to list.
+    pub listed: Option<Freed>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Freed {
     pub keys: Vec<String>,
     pub pools: Vec<String>,
     pub recovered: Vec<String>,
@@ -151,6 +175,7 @@ pub(crate) struct EndedRow {
 impl EndedRow {
     fn from_row(row: &Row) -> EndedRow {
         let reason: String = row.get(1);
+        let keys: Option<Vec<String>> = row.get(7);
         EndedRow {
             reason: match reason.as_str() {
                 "closed" => EndReason::Closed,
@@ -158,29 +183,37 @@ impl EndedRow {
                 _ => EndReason::Admin,
             },
             revision: row.get::<_, i64>(2) as u64,
-            keys: row.get(3),
-            pools: row.get(4),
-            recovered: row.get(5),
+            locks: row.get::<_, i64>(3) as usize,
+            seats: row.get::<_, i64>(4) as usize,
+            recovered: row.get::<_, i64>(5) as usize,
             failed: row.get(6),
+            listed: keys.map(|keys| Freed {
+                keys,
+                pools: row.get::<_, Option<Vec<String>>>(8).unwrap_or_default(),
+                recovered: row.get::<_, Option<Vec<String>>>(9).unwrap_or_default(),
+                failed: row.get::<_, Option<Vec<String>>>(10).unwrap_or_default(),
+            }),
         }
     }
 
-    /// What the end made available to waiters.
+    /// What the end made available to waiters, when listed.
     pub fn freed(&self) -> impl Iterator<Item = Resource> + '_ {
         let named = |text: &String| crate::domain::LockKey::parse("key", text).ok();
-        self.keys
-            .iter()
-            .filter_map(named)
-            .map(Resource::Lock)
-            .chain(self.pools.iter().filter_map(named).map(Resource::Pool))
-            .chain(self.recovered.iter().filter_map(named).map(Resource::Queue))
+        self.listed.iter().flat_map(move |f| {
+            f.keys
+                .iter()
+                .filter_map(named)
+                .map(Resource::Lock)
+                .chain(f.pools.iter().filter_map(named).map(Resource::Pool))
+                .chain(f.recovered.iter().filter_map(named).map(Resource::Queue))
+        })
     }
 
     pub fn closed(&self) -> Closed {
         Closed {
-            released: self.keys.len(),
-            seats: self.pools.len(),
-            jobs: self.recovered.len() + self.failed.len(),
+            released: self.locks,
+            seats: self.seats,
+            jobs: self.recovered + self.failed.len(),
             revision: self.revision,
         }
     }
@@ -308,6 +341,7 @@ impl Postgres {
                 BackendError::Unavailable("the session insert returned nothing".into())
             })?;
         self.inner.metrics.sessions_opened.inc();
+        self.inner.metrics.sessions_active.inc();
         Ok(OpenedSession {
             id,
             ttl_ms,

@@ -802,3 +802,75 @@ async fn reads_lists_and_dry_run_match_the_embedded_shapes() {
     assert!(h.pg.revision().await.unwrap() >= 6);
     h.stop();
 }
+
+/// Fills a fresh schema with `n` sessions already past their deadline, each holding one
+/// lock, written in bulk.
+async fn expired_sessions_with_locks(h: &Harness, n: i64) {
+    h.admin
+        .batch_execute(&format!(
+            "INSERT INTO \"{ns}\".session (id, owner, ttl_ms, expires_at)
+             SELECT gen_random_uuid(), 'bulk', 1000, \"{ns}\".db_now() + interval '1 second'
+             FROM generate_series(1, {n});
+             INSERT INTO \"{ns}\".lock (key, session_id, token)
+             SELECT 'bulk/' || id, id, nextval('\"{ns}\".revision') FROM \"{ns}\".session;
+             ANALYZE \"{ns}\".session, \"{ns}\".lock;",
+            ns = h.schema.0
+        ))
+        .await
+        .unwrap();
+    h.shift(2_000).await;
+}
+
+/// The mass-expiry figure: `cargo test --release --lib reaper_keeps_up -- --ignored
+/// --nocapture`. 100 000 expired sessions with one lock each, freed by the reaper (audit
+/// events, job settling and all) against a plain batched cascading DELETE of the same rows
+/// on the same tables; each side's best of three, interleaved, so that load from elsewhere
+/// on the machine weighs on both alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: about two minutes"]
+async fn reaper_keeps_up_with_a_plain_cascading_delete() {
+    const N: i64 = 100_000;
+    let (mut plain, mut reaped) = (Duration::MAX, Duration::MAX);
+    for _ in 0..3 {
+        let baseline = Harness::start().await;
+        expired_sessions_with_locks(&baseline, N).await;
+        let started = std::time::Instant::now();
+        loop {
+            let n = baseline
+                .admin
+                .execute(
+                    &format!(
+                        "DELETE FROM \"{ns}\".session WHERE id IN (SELECT id FROM \"{ns}\".session
+                         WHERE expires_at <= \"{ns}\".db_now() LIMIT 10000)",
+                        ns = baseline.schema.0
+                    ),
+                    &[],
+                )
+                .await
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+        }
+        plain = plain.min(started.elapsed());
+        assert_eq!(baseline.count("lock").await, 0);
+        baseline.stop();
+
+        let h = Harness::start().await;
+        expired_sessions_with_locks(&h, N).await;
+        let started = std::time::Instant::now();
+        let out = h.pg.reap_now().await.unwrap();
+        reaped = reaped.min(started.elapsed());
+        assert_eq!((out.sessions, out.locks), (N as usize, N as usize));
+        assert_eq!(h.count("lock").await, 0);
+        assert_eq!(h.count("event").await, N);
+        h.stop();
+    }
+    let ratio = reaped.as_secs_f64() / plain.as_secs_f64();
+    println!(
+        "{N} expired sessions with a lock each, best of 3: plain cascading delete {:.0} ms, reaper {:.0} ms ({ratio:.2}x)",
+        plain.as_secs_f64() * 1e3,
+        reaped.as_secs_f64() * 1e3
+    );
+    assert!(ratio < 1.5, "the reaper took {ratio:.2}x the plain delete");
+}
