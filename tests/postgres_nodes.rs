@@ -740,27 +740,45 @@ async fn a_job_of_a_dead_worker_on_one_node_is_recovered_and_claimed_on_the_othe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_kill_9_of_one_node_the_other_serves_its_grants_until_their_ttl() {
-    // Guards against a node's grants living in that node: lost when it dies, or released at
-    // once instead of at the holder's deadline, or pinned after it.
+    // Guards against a node's grants living in that node: lost when it dies, released at
+    // once instead of at the holder's deadline, or pinned after it — for its lock, its seat
+    // and its claimed job alike.
     let _serial = SERIAL.lock().await;
     let mut c = Cluster::start(2, Some(100)).await;
     const TTL_MS: u64 = 2000;
     let key = "crashy/one";
-    let sa = c.nodes[0].open("holder@a", TTL_MS).await;
-    let r = c.nodes[0]
+    let a = &c.nodes[0];
+    let sa = a.open("holder@a", TTL_MS).await;
+    let r = a
         .post(&lock_path(key, "acquire"), json!({"session_id": sa}))
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
     let token = r.body["token"].as_u64().unwrap();
-    let r = c.nodes[0]
-        .post("/v1/queues/crashy/jobs", json!({"payload": 1}))
+    let r = a.put("/v1/pools/crashy", json!({"capacity": 1})).await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    let r = a
+        .post("/v1/pools/crashy/acquire", json!({"session_id": sa}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let seat = r.body["seat_token"].as_u64().unwrap();
+    let r = a
+        .post(
+            "/v1/queues/crashy/jobs",
+            json!({"payload": 1, "idempotent": true}),
+        )
         .await;
     assert_eq!(r.status, 201, "{}", r.text);
+    let job = r.body["job_id"].as_str().unwrap().to_string();
+    let r = a
+        .post("/v1/queues/crashy/claim", json!({"session_id": sa}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let claim = r.body["token"].as_u64().unwrap();
     let mut last_beat = Instant::now();
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(300)).await;
         last_beat = Instant::now();
-        let r = c.nodes[0]
+        let r = a
             .post(&format!("/v1/sessions/{sa}/heartbeat"), json!({}))
             .await;
         assert_eq!(r.status, 200, "{}", r.text);
@@ -778,11 +796,16 @@ async fn after_kill_9_of_one_node_the_other_serves_its_grants_until_their_ttl() 
     assert_eq!(r.body["token"], token, "{}", r.text);
     let r = b.get(&format!("/v1/sessions/{sa}")).await;
     assert_eq!(r.status, 200, "A's session, through B: {}", r.text);
-    let r = b
+    assert_eq!(r.body["seats"][0]["seat_token"], seat, "{}", r.text);
+    assert_eq!(r.body["jobs"][0], job.as_str(), "{}", r.text);
+    let fence = b
         .get(&format!("/v1/fence/{}?token={token}", segment(key)))
         .await;
-    let r2 = b
+    let lock_now = b
         .post(&lock_path(key, "acquire"), json!({"session_id": sb}))
+        .await;
+    let seat_now = b
+        .post("/v1/pools/crashy/acquire", json!({"session_id": sb}))
         .await;
     let checked = Instant::now();
     assert!(
@@ -791,43 +814,90 @@ async fn after_kill_9_of_one_node_the_other_serves_its_grants_until_their_ttl() 
         checked - killed
     );
     assert_eq!(
-        r.body["current"], true,
+        fence.body["current"], true,
         "A's token is current until its TTL: {}",
-        r.text
+        fence.text
     );
-    assert_eq!(r2.status, 409, "the key is A's until its TTL: {}", r2.text);
+    assert_eq!(
+        lock_now.status, 409,
+        "the key is A's until its TTL: {}",
+        lock_now.text
+    );
+    assert_eq!(
+        seat_now.status, 409,
+        "the seat is A's until its TTL: {}",
+        seat_now.text
+    );
 
-    // The contender waits and gets the key once A's session has lapsed — not before.
-    let r = b
-        .post(
-            &lock_path(key, "acquire"),
-            json!({"session_id": sb, "wait_ms": 5000}),
-        )
-        .await;
-    let granted = Instant::now();
-    assert_eq!(r.status, 200, "B's contender after A's TTL: {}", r.text);
-    let t = r.body["token"].as_u64().unwrap();
-    assert!(t > token, "token {t} after A's {token}");
-    assert!(
-        granted >= last_beat + Duration::from_millis(TTL_MS),
-        "granted {:?} after A's last heartbeat was sent, within its TTL",
-        granted - last_beat
+    // B's contender waits for all three at once and gets each once A's session has lapsed —
+    // not before.
+    let (lock, seat_r, claim_r) = tokio::join!(
+        async {
+            let r = b
+                .post(
+                    &lock_path(key, "acquire"),
+                    json!({"session_id": sb, "wait_ms": 5000}),
+                )
+                .await;
+            (r, Instant::now())
+        },
+        async {
+            let r = b
+                .post(
+                    "/v1/pools/crashy/acquire",
+                    json!({"session_id": sb, "wait_ms": 5000}),
+                )
+                .await;
+            (r, Instant::now())
+        },
+        async {
+            let r = b
+                .post(
+                    "/v1/queues/crashy/claim",
+                    json!({"session_id": sb, "wait_ms": 5000}),
+                )
+                .await;
+            (r, Instant::now())
+        },
     );
-    assert!(
-        granted <= last_beat + Duration::from_millis(TTL_MS + 1500),
-        "granted only {:?} after A's last heartbeat",
-        granted - last_beat
-    );
+    let lapse = last_beat + Duration::from_millis(TTL_MS);
+    for (what, (r, at), field, before) in [
+        ("lock", &lock, "token", token),
+        ("seat", &seat_r, "seat_token", seat),
+        ("job", &claim_r, "token", claim),
+    ] {
+        assert_eq!(
+            r.status, 200,
+            "B's contender for the {what} after A's TTL: {}",
+            r.text
+        );
+        let t = r.body[field].as_u64().unwrap();
+        assert!(t > before, "{what}: token {t} after A's {before}");
+        assert!(
+            *at >= lapse,
+            "{what} granted {:?} after A's last heartbeat was sent, within its TTL",
+            *at - last_beat
+        );
+        assert!(
+            *at <= lapse + Duration::from_millis(1500),
+            "{what} granted only {:?} after A's last heartbeat",
+            *at - last_beat
+        );
+    }
+    assert_eq!(claim_r.0.body["job_id"], job.as_str(), "{}", claim_r.0.text);
+    assert_eq!(claim_r.0.body["recovery_count"], 1, "{}", claim_r.0.text);
     let r = b
         .post(&format!("/v1/sessions/{sa}/heartbeat"), json!({}))
         .await;
     assert_eq!(r.status, 404, "A's session is gone: {}", r.text);
-    // B serves everything else on.
-    let r = b
-        .post("/v1/queues/crashy/claim", json!({"session_id": sb}))
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text);
-    assert!(r.body["token"].as_u64().unwrap() > t, "{}", r.text);
+    let events = all_events(b, 100).await;
+    for kind in ["session_expired", "seat_reclaimed", "job_recovered"] {
+        let n = events
+            .iter()
+            .filter(|e| e["kind"] == kind && sid(e) == sa)
+            .count();
+        assert_eq!(n, 1, "{kind} events for A's session: {n}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
