@@ -1093,9 +1093,10 @@ async fn assert_recovered(node: &Node, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_ride_out_a_postgres_restart_under_load() {
     // Guards against a node that stays wedged after its database restarts (dead pooled
-    // connections, readiness stuck false, a notification listener never reconnected), that
-    // says ready or answers anything but 503 while the database is down (a false "session
-    // gone", a 500), or that loses acknowledged state over it.
+    // connections, readiness stuck false, a notification listener never reconnected, a node
+    // started during the outage that never finishes starting), that says ready or answers
+    // anything but 503 while the database is down (a false "session gone", a 500), or that
+    // loses acknowledged state over it.
     let _serial = SERIAL.lock().await;
     let seed = seed();
     eprintln!("postgres restart under load, seed {seed} (rerun with PG_NODES_SEED={seed})");
@@ -1114,6 +1115,7 @@ async fn nodes_ride_out_a_postgres_restart_under_load() {
     let ledger = Arc::new(Mutex::new(Ledger::new(KEYS)));
     let mut slots: Vec<Option<String>> = vec![None; WORKERS];
     let mut stops_in_flight = 0;
+    let mut late: Option<Node> = None;
     for outage in 0..OUTAGES {
         let what = format!("outage {outage} (seed {seed})");
         let stop = Arc::new(AtomicBool::new(false));
@@ -1137,11 +1139,22 @@ async fn nodes_ride_out_a_postgres_restart_under_load() {
         let s = slots.iter().flatten().next().cloned();
         assert_unavailable(&b, None, &what).await;
         assert_unavailable(&a, s.as_deref(), &what).await;
+        // In the last outage a third node starts with the database down: it must come up
+        // unready, and serve once the database is back.
+        if outage == OUTAGES - 1 {
+            let c = Node::start_serving(&NodeSpec::new("C", &schema, logs.path())).await;
+            assert_unavailable(&c, s.as_deref(), &what).await;
+            late = Some(c);
+        }
 
         pg.start();
         assert_recovered(&a, &what).await;
         assert_recovered(&b, &what).await;
         let mut l = std::mem::replace(&mut *ledger.lock().unwrap(), Ledger::new(KEYS));
+        if let Some(c) = &late {
+            assert_recovered(c, &what).await;
+            ledger::verify(c, &mut l, &what).await;
+        }
         ledger::verify(&a, &mut l, &what).await;
         ledger::verify(&b, &mut l, &what).await;
         ledger::probe(&a, &mut l, &format!("probe/{outage}/a"), &what).await;
@@ -1215,6 +1228,10 @@ async fn nodes_ride_out_a_postgres_restart_under_load() {
         "too little load to test anything: {stops_in_flight} stops in flight, {:?}",
         l.stats
     );
-    drop((a, b));
+    assert!(
+        late.is_some(),
+        "the node started during the outage was checked"
+    );
+    drop((a, b, late));
     drop(schema);
 }

@@ -244,6 +244,16 @@ pub struct Node {
 impl Node {
     /// Starts the binary on a free port and waits (bounded) until `/readyz` answers 200.
     pub async fn start(spec: &NodeSpec) -> Node {
+        Node::launch(spec, true).await
+    }
+
+    /// Starts the binary on a free port and waits (bounded) until it answers HTTP, ready or
+    /// not.
+    pub async fn start_serving(spec: &NodeSpec) -> Node {
+        Node::launch(spec, false).await
+    }
+
+    async fn launch(spec: &NodeSpec, want_ready: bool) -> Node {
         for _ in 0..20 {
             let port = free_port();
             let log = OpenOptions::new()
@@ -299,7 +309,7 @@ impl Node {
                 let probe =
                     tokio::time::timeout(Duration::from_secs(2), node.client.get("/readyz"));
                 if let Ok(Ok(r)) = probe.await
-                    && r.status == 200
+                    && (r.status == 200 || !want_ready)
                 {
                     return node;
                 }
