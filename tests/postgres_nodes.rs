@@ -314,10 +314,11 @@ async fn sessions_left_to_expire_are_ended_exactly_once_with_two_reapers() {
         .await;
     assert_eq!(r.status, 201, "{}", r.text);
     let mut ids = Vec::new();
-    let mut opened_last = Instant::now();
+    // Opened with a long TTL so that a slow machine cannot expire one before it holds its
+    // lock and seat; then each is cut to TTL_MS by a heartbeat and left alone.
     for i in 0..SESSIONS {
         let node = &c.nodes[i % 2];
-        let s = node.open(&format!("doomed-{i}"), TTL_MS).await;
+        let s = node.open(&format!("doomed-{i}"), 60_000).await;
         let r = node
             .post(
                 &lock_path(&format!("doomed/{i}"), "acquire"),
@@ -330,6 +331,16 @@ async fn sessions_left_to_expire_are_ended_exactly_once_with_two_reapers() {
             .await;
         assert_eq!(r.status, 200, "{}", r.text);
         ids.push(s);
+    }
+    let mut opened_last = Instant::now();
+    for (i, s) in ids.iter().enumerate() {
+        let r = c.nodes[1 - i % 2]
+            .post(
+                &format!("/v1/sessions/{s}/heartbeat"),
+                json!({"ttl_ms": TTL_MS}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
         opened_last = Instant::now();
     }
     let wanted: BTreeSet<String> = ids.iter().cloned().collect();
@@ -380,6 +391,10 @@ async fn sessions_left_to_expire_are_ended_exactly_once_with_two_reapers() {
         SESSIONS,
         "every expired holder's key went to a contender"
     );
+    eprintln!(
+        "contenders done {:?} after the last deadline",
+        lapse.elapsed()
+    );
 
     // The audit log, read to its end in small pages, ends each session exactly once.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -403,6 +418,11 @@ async fn sessions_left_to_expire_are_ended_exactly_once_with_two_reapers() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    eprintln!(
+        "{} of {SESSIONS} sessions ended in the audit log {:?} after the last deadline",
+        ended(&all_events(&c.nodes[1], 1000).await).len(),
+        lapse.elapsed()
+    );
     // Two more reaper intervals for a late duplicate to show.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let events = all_events(&c.nodes[0], 37).await;
