@@ -7,12 +7,9 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
-use tokio::sync::oneshot;
-
+use super::commands::Reply;
 use crate::backend::{BackendError, Claimed, Granted};
 use crate::domain::{LockKey, Mono, PoolName, QueueName, SessionId};
-
-pub type Reply<T> = oneshot::Sender<Result<T, BackendError>>;
 
 /// What a waiter waits for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -160,6 +157,8 @@ impl Waiters {
 
 #[cfg(test)]
 mod tests {
+    use tokio::sync::oneshot;
+
     use super::*;
 
     fn lock(s: &str) -> Resource {
