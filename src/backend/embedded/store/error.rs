@@ -24,6 +24,12 @@ pub enum StoreError {
     Schema { found: u64, reads: u64 },
     #[error("revision would go back from {stored} to {new}")]
     RevisionWentBack { stored: u64, new: u64 },
+    #[error("the audit event counter would go back from {stored} to {new}")]
+    EventSeqWentBack { stored: u64, new: u64 },
+    #[error("audit event {seq} is already written; it is never replaced")]
+    EventExists { seq: u64 },
+    #[error("audit event {seq} is above the event counter {counter} written with it")]
+    EventAboveCounter { seq: u64, counter: u64 },
     #[error("an earlier write failed; the store refuses writes until the server restarts")]
     Failed,
 }

@@ -1,19 +1,42 @@
 //! The start-up load: everything the in-memory state is rebuilt from, in one read
 //! transaction.
 
-use redb::{ReadableTable, ReadableTableMetadata};
+use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
 
 use super::codec;
 use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
-    JOBS, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS, SEATS, SESSIONS, corrupt, counter,
-    stored_key,
+    EVENTS, JOBS, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS, SEATS, SESSIONS, corrupt,
+    counter, stored_key,
 };
 use crate::domain::state::Restore;
 use crate::domain::{
     JobId, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionId, SessionRecord,
 };
+
+/// The audit counter to continue from: the stored one, unless the log already holds a
+/// higher sequence number — a counter fallen behind (a bug, or a damaged file) would number
+/// new events over old ones. Then the counter is repaired upward, in memory now and on disk
+/// with the next commit; sequence numbers only need to be unique and increasing, so
+/// skipping some loses nothing.
+fn event_seq_above_the_log(txn: &ReadTransaction, stored: u64) -> Result<u64, StoreError> {
+    let events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+    let last = events
+        .last()
+        .map_err(StoreError::redb)?
+        .map_or(0, |(seq, _)| seq.value());
+    if last > stored {
+        tracing::warn!(
+            counter = stored,
+            last_event = last,
+            "the audit event counter is behind the last stored event; continuing from {last} \
+             (`leasehold check` reports the file until the next write repairs it)"
+        );
+        return Ok(last);
+    }
+    Ok(stored)
+}
 
 impl Store {
     /// Everything the in-memory state is rebuilt from at start-up.
@@ -21,7 +44,7 @@ impl Store {
         let txn = self.read()?;
         let meta = txn.open_table(META).map_err(StoreError::redb)?;
         let revision = counter(&meta, META_REVISION)?;
-        let event_seq = counter(&meta, META_EVENT_SEQ)?;
+        let event_seq = event_seq_above_the_log(&txn, counter(&meta, META_EVENT_SEQ)?)?;
         let sessions_table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
         let mut sessions = Vec::with_capacity(sessions_table.len().unwrap_or(0) as usize);
         for row in sessions_table.iter().map_err(StoreError::redb)? {

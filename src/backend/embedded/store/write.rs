@@ -12,6 +12,7 @@ use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS,
     SEATS, SESSION_JOBS, SESSION_LOCKS, SESSION_SEATS, SESSIONS, SESSIONS_BY_OWNER, corrupt,
+    counter,
 };
 use crate::domain::{Change, Event, JobRecord, JobStatus, SessionRecord, UnixMs};
 
@@ -219,23 +220,39 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 payloads.remove(id).map_err(StoreError::redb)?;
             }
             Change::Event(event) => {
-                events
+                // A sequence number is issued once: an event above the counter written with
+                // it, or over one already written, is a bug that would lose an audit record.
+                if event.seq > batch.event_seq {
+                    return Err(StoreError::EventAboveCounter {
+                        seq: event.seq,
+                        counter: batch.event_seq,
+                    });
+                }
+                let replaced = events
                     .insert(event.seq, codec::encode(event).as_slice())
-                    .map_err(StoreError::redb)?;
+                    .map_err(StoreError::redb)?
+                    .is_some();
+                if replaced {
+                    return Err(StoreError::EventExists { seq: event.seq });
+                }
             }
         }
     }
 
-    // The counters only ratchet up: a lower value here is a bug that would reissue tokens.
-    let stored = meta
-        .get(META_REVISION)
-        .map_err(StoreError::redb)?
-        .map(|v| v.value())
-        .unwrap_or(0);
+    // The counters only ratchet up: a lower value here is a bug that would reissue tokens
+    // or sequence numbers.
+    let stored = counter(&meta, META_REVISION)?;
     if batch.revision < stored {
         return Err(StoreError::RevisionWentBack {
             stored,
             new: batch.revision,
+        });
+    }
+    let stored = counter(&meta, META_EVENT_SEQ)?;
+    if batch.event_seq < stored {
+        return Err(StoreError::EventSeqWentBack {
+            stored,
+            new: batch.event_seq,
         });
     }
     meta.insert(META_REVISION, batch.revision)
