@@ -11,8 +11,8 @@ use super::writer::{PacedPass, Writer};
 use crate::backend::{BackendError, Beat, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::time::to_wall;
 use crate::domain::{
-    AcquireError, At, Finish, HeartbeatError, LockKey, Mono, PoolName, SeatError, SessionId, State,
-    UnixMs,
+    AcquireError, At, Change, Finish, HeartbeatError, LockKey, Mono, PoolName, PoolPut, PoolRecord,
+    SeatError, SessionId, State, UnixMs,
 };
 
 impl Writer {
@@ -97,23 +97,25 @@ impl Writer {
                 self.tally.released += u64::from(r.is_ok());
                 pend(pending, reply, r);
             }
+            Command::ConfirmLive { id, reply } => {
+                let live = state.confirm_live(id, at.now, fx);
+                pend(pending, reply, Ok(live));
+            }
             Command::PutPool {
                 name,
                 capacity,
                 metadata,
-                created_at,
                 reply,
             } => {
-                let r = state
-                    .put_pool(&name, capacity, metadata, created_at, at, fx)
-                    .map_err(BackendError::from);
-                pend(pending, reply, r);
+                let r = self.put_pool(state, &name, capacity, metadata, at);
+                pend(&mut self.pending, reply, r);
             }
             Command::DeletePool { name, reply } => {
                 let r = state.delete_pool(&name, at, fx).map_err(pool_error);
                 if r.is_ok() {
+                    // Told once the deletion is committed, like the deleter.
                     for w in waiters.take_all(&Resource::Pool(name)) {
-                        w.want.fail(BackendError::PoolNotFound);
+                        w.want.fail_later(pending, BackendError::PoolNotFound);
                     }
                 }
                 pend(pending, reply, r);
@@ -318,6 +320,29 @@ impl Writer {
         }
     }
 
+    /// Creates or resizes a pool, reading its record in the same step: a resize keeps when
+    /// the pool was created, and its metadata unless new is given. The record is the one
+    /// this batch last wrote, or else the committed one; only this thread writes, so nothing
+    /// can change it between the read and the write.
+    fn put_pool(
+        &mut self,
+        state: &mut State,
+        name: &PoolName,
+        capacity: u64,
+        metadata: Option<String>,
+        at: At,
+    ) -> Result<PoolPut, BackendError> {
+        let existing = match written_pool(&self.fx.changes, name) {
+            Some(written) => written.cloned(),
+            None => self.shared.store.pool(name.as_str())?,
+        };
+        let created_at = existing.as_ref().map(|p| p.created_at);
+        let metadata = metadata
+            .or_else(|| existing.map(|p| p.metadata))
+            .unwrap_or_default();
+        Ok(state.put_pool(name, capacity, metadata, created_at, at, &mut self.fx)?)
+    }
+
     /// A storm the reaper started is carried on here: while sessions are due, every batch
     /// takes one paced pass along. Left to the reaper alone, only every other batch would,
     /// as its next request arrives after this batch's answer.
@@ -331,4 +356,14 @@ impl Writer {
             }
         }
     }
+}
+
+/// The record `changes` leave `pool` with, the last of them first: `Some(None)` when they
+/// delete it, `None` when they do not touch it.
+fn written_pool<'a>(changes: &'a [Change], pool: &PoolName) -> Option<Option<&'a PoolRecord>> {
+    changes.iter().rev().find_map(|c| match c {
+        Change::PutPool { name, record } if name == pool => Some(Some(record)),
+        Change::DeletePool { name } if name == pool => Some(None),
+        _ => None,
+    })
 }

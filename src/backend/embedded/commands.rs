@@ -7,7 +7,7 @@ use tokio::sync::oneshot;
 use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::{Claim, PoolPut};
 use crate::domain::{
-    EndReason, Finish, JobId, LockKey, Mono, NewJob, PoolName, QueueName, SessionId, Token, UnixMs,
+    EndReason, Finish, JobId, LockKey, Mono, NewJob, PoolName, QueueName, SessionId, Token,
 };
 
 /// Where one request's answer goes.
@@ -31,6 +31,13 @@ pub enum Command {
         reason: EndReason,
         reply: Reply<Option<Closed>>,
     },
+    /// Whether a session is live, asked by a reader about to answer "gone": one past its
+    /// deadline loses its restart grace (see `State::confirm_live`), and the answer leaves
+    /// after that is committed, as does the answer for one whose end is being committed.
+    ConfirmLive {
+        id: SessionId,
+        reply: Reply<bool>,
+    },
     Acquire {
         id: SessionId,
         key: LockKey,
@@ -44,11 +51,13 @@ pub enum Command {
         token: Token,
         reply: Reply<u64>,
     },
+    /// Creates or resizes a pool. The writer reads the existing record itself, so that
+    /// reading and writing it are one step.
     PutPool {
         name: PoolName,
         capacity: u64,
-        metadata: String,
-        created_at: Option<UnixMs>,
+        /// New metadata; `None` keeps what the pool has.
+        metadata: Option<String>,
         reply: Reply<PoolPut>,
     },
     DeletePool {
@@ -146,6 +155,7 @@ pub fn refuse(cmd: Command, e: BackendError) {
         | Command::FinishJob { reply, .. }
         | Command::Requeue { reply, .. } => no(reply, e),
         Command::PutPool { reply, .. } => no(reply, e),
+        Command::ConfirmLive { reply, .. } => no(reply, e),
         Command::Claim { reply, .. } => no(reply, e),
         Command::Reap { reply, .. } => no(reply, e),
         Command::Drain | Command::Stop => {}

@@ -205,7 +205,7 @@ impl Backend for Embedded {
     }
 
     async fn session(&self, id: SessionId) -> Result<Option<SessionInfo>, BackendError> {
-        Embedded::session(self, id)
+        Embedded::session(self, id).await
     }
 
     async fn sessions(

@@ -44,20 +44,22 @@ impl Embedded {
         if self.shared.store.failed() {
             return Err(BackendError::StoreFailed);
         }
-        let at = At {
-            now: self.shared.clock.now(),
-            wall: self.shared.clock.wall(),
-        };
-        let beat = {
+        let (beat, at) = {
             let mut state = self.shared.state.lock();
+            // The clock is read under the lock, as the writer reads it: a reading taken
+            // before the lock could be older than that of a reader who meanwhile found the
+            // session past its deadline, and would extend what that reader saw expire.
+            let at = At {
+                now: self.shared.clock.now(),
+                wall: self.shared.clock.wall(),
+            };
             // A live session's plain heartbeat changes nothing durable: answer it here. Any
             // other (unknown, or past its deadline and so to be ended durably) goes through
             // the writer, so that "gone" is only ever said once it is on disk.
-            if state.is_live(id, at.now) {
-                Some(state.heartbeat(id, None, at, &mut Effects::default()))
-            } else {
-                None
-            }
+            let beat = state
+                .is_live(id, at.now)
+                .then(|| state.heartbeat(id, None, at, &mut Effects::default()));
+            (beat, at)
         };
         match beat {
             Some(Ok(b)) => {
@@ -146,17 +148,10 @@ impl Embedded {
         capacity: u64,
         metadata: Option<String>,
     ) -> Result<PoolPut, BackendError> {
-        // A resize keeps when the pool was created, and its metadata unless new is given.
-        let existing = self.shared.store.pool(name.as_str())?;
-        let created_at = existing.as_ref().map(|p| p.created_at);
-        let metadata = metadata
-            .or_else(|| existing.map(|p| p.metadata))
-            .unwrap_or_default();
         self.call(|reply| Command::PutPool {
             name,
             capacity,
             metadata,
-            created_at,
             reply,
         })
         .await
@@ -268,5 +263,98 @@ impl Embedded {
     fn wait_deadline(&self, wait_ms: u64) -> Option<Mono> {
         let wait = wait_ms.min(self.shared.config.max_wait_ms);
         (wait > 0).then(|| self.shared.clock.now().plus_ms(wait))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, OnceLock, Weak};
+
+    use super::*;
+    use crate::backend::embedded::shared::Shared;
+    use crate::backend::embedded::store::Store;
+    use crate::clock::{Clock, ManualClock};
+    use crate::domain::UnixMs;
+    use crate::engine::EngineConfig;
+    use crate::metrics::Metrics;
+
+    /// A clock that, the one time it is armed, lets time jump past a session's deadline
+    /// right after it has been read, and has a reader look at the session then — if the
+    /// state lock is free. That is the interleaving of a heartbeat descheduled between
+    /// reading the clock and taking the lock while a reader runs.
+    struct LateReader {
+        clock: ManualClock,
+        shared: OnceLock<Weak<Shared>>,
+        session: OnceLock<SessionId>,
+        armed: AtomicBool,
+        saw_expired: AtomicBool,
+    }
+
+    impl Clock for LateReader {
+        fn now(&self) -> Mono {
+            let read = self.clock.now();
+            if self.armed.swap(false, Ordering::SeqCst) {
+                self.clock.advance(200);
+                let shared = self.shared.get().and_then(Weak::upgrade).unwrap();
+                if let Some(state) = shared.state.try_lock() {
+                    let id = *self.session.get().unwrap();
+                    let expired = !state.is_live(id, self.clock.now());
+                    self.saw_expired.store(expired, Ordering::SeqCst);
+                }
+            }
+            read
+        }
+
+        fn wall(&self) -> UnixMs {
+            self.clock.wall()
+        }
+    }
+
+    /// A heartbeat must never extend a session that a reader has already seen past its
+    /// deadline (expiry is judged once, and is terminal).
+    ///
+    /// The story: the fast path read the clock, then took the state lock. Descheduled in
+    /// between, it carried a reading from before the deadline into the lock, after a reader
+    /// had found the session expired, and extended it: a session reported expired at 1 100
+    /// ms was alive again at 1 100 ms. Here the clock is read at 900 ms of a 1 000 ms TTL and
+    /// the reader looks at 1 100 ms; with the reading taken under the lock, the reader
+    /// cannot look in between, and sees the heartbeat's extension when it does.
+    #[tokio::test]
+    async fn a_heartbeat_reads_the_clock_under_the_state_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20).unwrap();
+        let clock = Arc::new(LateReader {
+            clock: ManualClock::new(UnixMs(1_700_000_000_000)),
+            shared: OnceLock::new(),
+            session: OnceLock::new(),
+            armed: AtomicBool::new(false),
+            saw_expired: AtomicBool::new(false),
+        });
+        let config = EngineConfig {
+            reaper_enabled: false,
+            ..EngineConfig::default()
+        };
+        let embedded =
+            Embedded::start(config, store, clock.clone(), Arc::new(Metrics::new())).unwrap();
+        clock.shared.set(Arc::downgrade(&embedded.shared)).unwrap();
+        let opened = embedded
+            .open("late".into(), Some(1_000), None)
+            .await
+            .unwrap();
+        clock.session.set(opened.id).unwrap();
+        clock.clock.advance(900);
+
+        clock.armed.store(true, Ordering::SeqCst);
+        let beat = embedded.heartbeat(opened.id, None).await;
+        assert!(
+            !clock.armed.load(Ordering::SeqCst),
+            "the heartbeat read the clock"
+        );
+        assert!(
+            !(clock.saw_expired.load(Ordering::SeqCst) && beat.is_ok()),
+            "a reader saw the session expired, and then the heartbeat extended it: {beat:?}"
+        );
+        embedded.shutdown();
     }
 }

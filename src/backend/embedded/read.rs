@@ -4,6 +4,7 @@
 //! deadlines.
 
 use super::Embedded;
+use super::commands::Command;
 use super::waiters::Resource;
 use crate::backend::{
     BackendError, DueSession, Fence, JobPage, LockPage, PoolInfo, QueueInfo, SeatHolder,
@@ -92,8 +93,31 @@ impl Embedded {
         }
     }
 
-    /// A live session, as committed. `None` when it is gone.
-    pub fn session(&self, id: SessionId) -> Result<Option<SessionInfo>, BackendError> {
+    /// A live session, as committed. `None` when it is gone, which is said only once no
+    /// restart can revive it: a session memory no longer has live may be ended but not yet
+    /// committed, or past its deadline and not yet ended, and the restart grace would bring
+    /// it back either way. So the writer is asked: it takes the restart grace away from one
+    /// past its deadline (leaving its end to the reaper or a contender), and answers after
+    /// the commit.
+    pub async fn session(&self, id: SessionId) -> Result<Option<SessionInfo>, BackendError> {
+        if let Some(info) = self.live_session(id)? {
+            return Ok(Some(info));
+        }
+        if self.confirm_live(id).await? {
+            // Opened, but not yet committed when it was read: it is now.
+            self.live_session(id)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Whether `id` is live, as the writer finds it; see [`Command::ConfirmLive`].
+    async fn confirm_live(&self, id: SessionId) -> Result<bool, BackendError> {
+        self.call(|reply| Command::ConfirmLive { id, reply }).await
+    }
+
+    /// A session that memory has live, with its committed record; `None` otherwise.
+    fn live_session(&self, id: SessionId) -> Result<Option<SessionInfo>, BackendError> {
         self.vouch_for_liveness()?;
         let now = self.shared.clock.now();
         let wall = self.shared.clock.wall();

@@ -54,7 +54,7 @@ impl Writer {
                 continue; // the client gave up; the next in line is served
             }
             if w.deadline <= at.now {
-                self.tally.seats_refused += u64::from(time_out(state, resource.clone(), w, at));
+                self.time_out(state, resource.clone(), w, at);
                 continue;
             }
             let Waiter {
@@ -127,36 +127,35 @@ impl Writer {
         }
     }
 
-    /// Answers every waiter whose deadline has passed.
-    pub fn time_out_waiters(&mut self, state: &State, waiters: &mut Waiters, at: At) {
+    /// Answers every waiter whose deadline has passed, then serves whatever the sessions
+    /// ended meanwhile freed.
+    pub fn time_out_waiters(&mut self, state: &mut State, waiters: &mut Waiters, at: At) {
         for (resource, w) in waiters.expire(at.now) {
-            self.tally.seats_refused += u64::from(time_out(state, resource, w, at));
+            self.time_out(state, resource, w, at);
         }
+        self.settle(state, waiters, at);
     }
-}
 
-/// Answers a waiter whose time ran out: the lock is still held, the pool still full, the
-/// queue still empty — or its session is gone. True when a seat request was refused.
-fn time_out(state: &State, resource: Resource, w: Waiter, at: At) -> bool {
-    if !state.is_live(w.session, at.now) {
-        w.want.fail(BackendError::SessionGone);
-        return false;
-    }
-    match (resource, w.want) {
-        (Resource::Pool(pool), want @ Want::Seat { .. }) => {
-            let (capacity, in_use) = state
-                .pool(&pool)
-                .map_or((0, 0), |p| (p.capacity, p.holders.len()));
-            want.fail(BackendError::PoolExhausted { capacity, in_use });
-            true
+    /// Answers a waiter whose time ran out: the lock is still held, the pool still full, the
+    /// queue still empty — or its session is gone. A session that lapsed while it waited is
+    /// ended here, so that "gone" is durable by the time it is said: like every answer of
+    /// the batch, it leaves after the commit.
+    fn time_out(&mut self, state: &mut State, resource: Resource, w: Waiter, at: At) {
+        let pending = &mut self.pending;
+        if !state.live_or_end_expired(w.session, at, &mut self.fx) {
+            w.want.fail_later(pending, BackendError::SessionGone);
+            return;
         }
-        (_, Want::Claim(reply)) => {
-            let _ = reply.send(Ok(None));
-            false
-        }
-        (_, want) => {
-            want.fail(BackendError::LockHeld);
-            false
+        match (resource, w.want) {
+            (Resource::Pool(pool), want @ Want::Seat { .. }) => {
+                let (capacity, in_use) = state
+                    .pool(&pool)
+                    .map_or((0, 0), |p| (p.capacity, p.holders.len()));
+                self.tally.seats_refused += 1;
+                want.fail_later(pending, BackendError::PoolExhausted { capacity, in_use });
+            }
+            (_, Want::Claim(reply)) => pend(pending, reply, Ok(None)),
+            (_, want) => want.fail_later(pending, BackendError::LockHeld),
         }
     }
 }

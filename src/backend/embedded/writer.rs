@@ -133,7 +133,7 @@ impl Writer {
                 self.settle(&mut state, &mut waiters, at);
             }
             self.carry_on_storm(&mut state, &mut waiters, at);
-            self.time_out_waiters(&state, &mut waiters, at);
+            self.time_out_waiters(&mut state, &mut waiters, at);
             self.shared.metrics.waiters.set(waiters.len() as i64);
             (state.revision(), state.event_seq())
         };

@@ -342,6 +342,35 @@ impl State {
         }
     }
 
+    /// Whether `id` is live at `at`, asked on a write path about to answer "gone": a session
+    /// past its deadline is ended inline (recorded as expired), so that once these changes
+    /// are committed the answer is durable.
+    pub fn live_or_end_expired(&mut self, id: SessionId, at: At, fx: &mut Effects) -> bool {
+        self.live_or_end(id, at, fx).is_ok()
+    }
+
+    /// Whether `id` is live at `now`, asked by a reader about to answer "gone".
+    ///
+    /// Reads change nothing a client can see, so a session past its deadline is not ended
+    /// here (that is the reaper's, or a contender's). It loses its restart grace instead: its
+    /// TTL, in memory and persisted, becomes 0, so that a restart, which gives every session
+    /// `now + ttl`, finds it due at once rather than reviving it. Once that change is
+    /// committed the answer "gone" holds across any restart. The TTL is not read again
+    /// while the process lives: past its deadline, the session can only be ended.
+    pub fn confirm_live(&mut self, id: SessionId, now: Mono, fx: &mut Effects) -> bool {
+        match self.sessions.get_mut(&id) {
+            None => false,
+            Some(s) if s.expired(now) => {
+                if s.ttl_ms != 0 {
+                    s.ttl_ms = 0;
+                    fx.changes.push(Change::SetSessionTtl { id, ttl_ms: 0 });
+                }
+                false
+            }
+            Some(_) => true,
+        }
+    }
+
     /// Opens a session. The id comes from the caller (random) so this stays deterministic.
     pub fn open(
         &mut self,

@@ -112,6 +112,41 @@ fn heartbeat_extends_and_gone_is_terminal_and_durable() {
 }
 
 #[test]
+fn a_reader_told_gone_takes_the_restart_grace_away_and_ends_nothing() {
+    let mut state = State::new(Limits::default());
+    let id = open(&mut state, 1_000, 0);
+    let mut fx = Effects::default();
+    assert!(state.confirm_live(id, Mono(999), &mut fx));
+    assert!(fx.changes.is_empty());
+    assert!(!state.confirm_live(id, Mono(1_000), &mut fx));
+    assert_eq!(fx.changes, vec![Change::SetSessionTtl { id, ttl_ms: 0 }]);
+    assert!(fx.ended.is_empty(), "a read ends nothing");
+    // Asked again, nothing more to persist; an unknown id is simply gone.
+    let mut again = Effects::default();
+    assert!(!state.confirm_live(id, Mono(1_001), &mut again));
+    assert!(!state.confirm_live(SessionId::random(), Mono(0), &mut again));
+    assert!(again.changes.is_empty());
+    assert_eq!(
+        state.due(Mono(1_000), 10).len(),
+        1,
+        "still due for the reaper"
+    );
+    // A restart gives it `now + 0`: due at once, not revived.
+    let restored = State::restore(
+        Limits::default(),
+        Restore {
+            sessions: vec![(id, 0)],
+            ..Restore::default()
+        },
+        Mono(50_000),
+    )
+    .unwrap();
+    assert!(!restored.is_live(id, Mono(50_000)));
+    assert_eq!(restored.due(Mono(50_000), 10).len(), 1);
+    state.check_invariants().unwrap();
+}
+
+#[test]
 fn heartbeat_with_new_ttl_is_persisted() {
     let mut state = State::new(Limits::default());
     let id = open(&mut state, 1_000, 0);
