@@ -5,7 +5,8 @@
 //! the batch that applied them has been committed with fsync. Plain heartbeats touch only
 //! memory (the deadline lives on the monotonic clock) and never wait for the writer. Reads
 //! come from redb read transactions, so they see only what has been committed, plus the
-//! in-memory deadlines for liveness.
+//! in-memory deadlines for liveness; one about to say a session is gone asks the writer
+//! first, so that no restart can revive what an answer called gone.
 //!
 //! - the handle [`Embedded`] (here), its write side (`mutate`) and read side (`read`);
 //! - `commands`: what the writer is asked and how answers get back;
@@ -65,8 +66,9 @@ pub struct Embedded {
 }
 
 impl Embedded {
-    /// Loads the state from `store`, gives every live session the restart grace, and starts
-    /// the writer and the reaper.
+    /// Loads the state from `store`, gives every session the restart grace (a fresh TTL; a
+    /// session that an answer called gone has none left and comes back due), and starts the
+    /// writer and the reaper.
     pub fn start(
         config: EngineConfig,
         store: Store,

@@ -1,7 +1,7 @@
 //! The read side of the handle: sessions, locks, fences, pools, jobs, queues, the audit log
-//! and the reaper's dry run. Reads never wait for the writer: records come from redb read
-//! transactions, so they show only what has been committed, and liveness from the in-memory
-//! deadlines.
+//! and the reaper's dry run. Records come from redb read transactions, so they show only
+//! what has been committed, and liveness from the in-memory deadlines. Reads do not wait for
+//! the writer, except one about to say a session is gone: see [`Embedded::session`].
 
 use super::Embedded;
 use super::commands::Command;

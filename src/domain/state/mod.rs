@@ -1,5 +1,5 @@
 //! The aggregate: sessions, locks, the expiry index and the two durable counters, holding the
-//! pool table ([`Pools`]) and the job table ([`Jobs`]), with the rules that cross them.
+//! pool table (`Pools`) and the job table (`Jobs`), with the rules that cross them.
 //!
 //! The session and lock rules live here, with the cascade: ending a session releases its
 //! locks, reclaims its seats and settles its jobs in one change set. The seat rules

@@ -4,7 +4,7 @@
 //! counters, so a token is never acknowledged before the counter that issued it is durable.
 //! After any failed write the store refuses every later one (fail-stop).
 //!
-//! - [`tables`](self): the table layout and the row helpers every reader shares;
+//! - `tables`: the table layout and the row helpers every reader shares;
 //! - `db`: the handle, opening the file and the fail-stop flag;
 //! - `load`: the start-up load; `write`: a [`Batch`] in one write transaction; `read`: point
 //!   and range reads; `check`: the integrity check;
