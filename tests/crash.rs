@@ -11,9 +11,11 @@
 //! back after a kill.
 //!
 //! Requests in flight when the kill lands have an unknown outcome; the ledger records them as
-//! "in doubt" and accepts either outcome for them, but nothing else. The run is driven by a
-//! seeded RNG: the seed is printed, and `CRASH_SEED=<seed>` replays the same choices (the
-//! interleaving still depends on timing).
+//! "in doubt" and accepts either outcome for them, but nothing else. A run whose kills all
+//! fell between requests would test none of that, so each kill waits until the workers are
+//! answered, and at least a third of the kills must cut requests in flight. The run is
+//! driven by a seeded RNG: the seed is printed, and `CRASH_SEED=<seed>` replays the same
+//! choices (the interleaving still depends on timing).
 //!
 //! A second test kills the server the moment a heartbeat has answered "gone" for a session
 //! being closed: that answer must stay true after the restart (invariant 3).
@@ -244,6 +246,29 @@ async fn send(client: &Client, method: &str, path: &str, body: Option<Value>) ->
     }
 }
 
+/// Waits (bounded) until `answered()` reaches `n`: the workers of a cycle have got going, so
+/// that the kill that follows lands on running load, not before it.
+async fn until_answered(answered: impl Fn() -> u64, n: u64) {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    while answered() < n {
+        assert!(
+            Instant::now() < deadline,
+            "the workers got {} of {n} answers within {READY_TIMEOUT:?}",
+            answered()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// A kill that lands between requests tests nothing about the requests it cuts: fails the
+/// run unless at least a third of the kills cut requests in flight.
+fn assert_kills_cut_requests(seed: u64, kills_with_doubt: usize) {
+    assert!(
+        kills_with_doubt * 3 >= CYCLES,
+        "seed {seed}: only {kills_with_doubt} of {CYCLES} kills landed with requests in doubt"
+    );
+}
+
 #[derive(Debug, Clone)]
 enum Doubt {
     Acquire { key: usize, session: String },
@@ -265,6 +290,8 @@ struct Stats {
     /// Requests in doubt that turned out to have committed (the answer was lost).
     in_doubt_done: u64,
     not_sent: u64,
+    /// Requests that got an answer, of any kind.
+    answered: u64,
 }
 
 /// What the clients were told, and what they do not know.
@@ -433,7 +460,10 @@ impl Worker {
             ));
         }
         match outcome {
-            Outcome::Reply(r) => Ok(r),
+            Outcome::Reply(r) => {
+                ledger.stats.answered += 1;
+                Ok(r)
+            }
             Outcome::NotSent => {
                 ledger.stats.not_sent += 1;
                 Err(false)
@@ -920,7 +950,8 @@ async fn acknowledged_work_survives_kill_9() {
     let mut kills_with_doubt = 0;
 
     for cycle in 0..CYCLES {
-        // Load, then a kill at a random moment.
+        // Load, then a kill at a random moment once every worker could have been answered.
+        let answered = ledger.lock().unwrap().stats.answered;
         let mut tasks = Vec::with_capacity(WORKERS);
         for (w, slot) in slots.iter_mut().enumerate() {
             let session = match slot.take() {
@@ -937,6 +968,8 @@ async fn acknowledged_work_survives_kill_9() {
             };
             tasks.push(tokio::spawn(worker.run()));
         }
+        let target = answered + WORKERS as u64;
+        until_answered(|| ledger.lock().unwrap().stats.answered, target).await;
         let load_ms = rng.between(MIN_LOAD_MS, MAX_LOAD_MS);
         tokio::time::sleep(Duration::from_millis(load_ms)).await;
         if !server.running() {
@@ -1015,6 +1048,7 @@ async fn acknowledged_work_survives_kill_9() {
         "seed {seed}: too little load to test anything: {:?}",
         l.stats
     );
+    assert_kills_cut_requests(seed, kills_with_doubt);
 }
 
 /// A heartbeat that answered "gone" is final (invariant 3), even when the server is killed
@@ -1191,6 +1225,8 @@ mod seats_and_jobs {
         /// Requests in doubt that turned out to have committed (the answer was lost).
         in_doubt_done: u64,
         not_sent: u64,
+        /// Requests that got an answer, of any kind.
+        answered: u64,
     }
 
     /// What the clients were told, and what they are still waiting to hear.
@@ -1557,7 +1593,10 @@ mod seats_and_jobs {
                 ));
             }
             match outcome {
-                Outcome::Reply(r) => Ok(r),
+                Outcome::Reply(r) => {
+                    l.stats.answered += 1;
+                    Ok(r)
+                }
                 Outcome::NotSent => {
                     l.in_flight[self.id] = None;
                     l.stats.not_sent += 1;
@@ -2478,7 +2517,9 @@ mod seats_and_jobs {
         let mut kills_with_doubt = 0;
 
         for cycle in 0..CYCLES {
-            // Load, then a kill at a random moment.
+            // Load, then a kill at a random moment once every worker could have been
+            // answered.
+            let answered = ledger.lock().unwrap().stats.answered;
             let mut tasks = Vec::with_capacity(WORKERS);
             for (w, slot) in slots.iter_mut().enumerate() {
                 let session = match slot.take() {
@@ -2511,6 +2552,8 @@ mod seats_and_jobs {
                 };
                 tasks.push(tokio::spawn(worker.run()));
             }
+            let target = answered + WORKERS as u64;
+            until_answered(|| ledger.lock().unwrap().stats.answered, target).await;
             let load_ms = rng.between(MIN_LOAD_MS, MAX_LOAD_MS);
             tokio::time::sleep(Duration::from_millis(load_ms)).await;
             if !server.running() {
@@ -2606,5 +2649,6 @@ mod seats_and_jobs {
                 && s.enqueued > INITIAL_JOBS,
             "seed {seed}: too little load to test anything: {s:?}"
         );
+        assert_kills_cut_requests(seed, kills_with_doubt);
     }
 }

@@ -1,15 +1,18 @@
-//! Job leases with orphan recovery. A queued job is claimed by a session with a fresh
-//! fencing token; only that claim may finish it. When the claiming session ends for any
-//! reason, in the same change set, an idempotent job with recoveries left goes back to the
-//! head of its queue (`job_recovered`), any other becomes failed (`job_failed`) — never lost,
-//! never held by two live sessions.
+//! The job table: every job's record, each queue's order and counts, and the finished jobs by
+//! when they finished (for the retention purge).
+//!
+//! A queued job is claimed by a session with a fresh fencing token; only that claim may
+//! finish it. When the claiming session ends, an idempotent job with recoveries left goes
+//! back to the head of its queue, any other becomes failed — never lost, never held by two
+//! live sessions. The table knows nothing of sessions' liveness, tokens or events: the
+//! aggregate ([`super::state::State`]) checks the claimant, draws the token and records the
+//! event; the table keeps its own indexes in step and returns each record to persist.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::change::{Change, EventKind, JobRecord, JobStatus};
+use super::change::{Change, Event, EventKind, JobRecord, JobStatus};
 use super::ids::{JobId, QueueName, SessionId, Token};
 use super::limits::InvalidInput;
-use super::state::{At, Effects, Gone, RestoreError, State};
 use super::time::UnixMs;
 
 pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024;
@@ -22,65 +25,6 @@ pub const MAX_REASON_BYTES: usize = 4 * 1024;
 pub const REASON_MAX_RECOVERIES: &str = "max_recoveries_exceeded";
 pub const REASON_NOT_IDEMPOTENT: &str = "not_idempotent";
 
-#[derive(Debug, Clone)]
-pub(super) struct Job {
-    queue: QueueName,
-    kind: String,
-    idempotent: bool,
-    max_recoveries: u32,
-    recovery_count: u32,
-    attempt: u32,
-    order: i64,
-    /// `Done` keeps no result in memory: it is written once, at completion.
-    status: JobStatus,
-    enqueued_at: UnixMs,
-    updated_at: UnixMs,
-}
-
-#[derive(Debug, Clone)]
-pub(super) struct Queue {
-    /// Queued jobs by order: the first is the next claim.
-    queued: BTreeMap<i64, JobId>,
-    /// Next order at the head (recovered jobs): counts down from -1.
-    head: i64,
-    /// Next order at the tail (new jobs): counts up from 1.
-    tail: i64,
-    /// Jobs by state: queued, claimed, done, failed.
-    counts: [u64; 4],
-}
-
-impl Queue {
-    fn new() -> Queue {
-        Queue {
-            queued: BTreeMap::new(),
-            head: -1,
-            tail: 1,
-            counts: [0; 4],
-        }
-    }
-
-    fn push_tail(&mut self, id: JobId) -> i64 {
-        let order = self.tail;
-        self.tail += 1;
-        self.queued.insert(order, id);
-        order
-    }
-
-    fn push_head(&mut self, id: JobId) -> i64 {
-        let order = self.head;
-        self.head -= 1;
-        self.queued.insert(order, id);
-        order
-    }
-
-    fn count(&mut self, status: &JobStatus, delta: i64) {
-        let c = &mut self.counts[status.code() as usize];
-        *c = c
-            .checked_add_signed(delta)
-            .expect("job counts never go negative");
-    }
-}
-
 /// What happened to a claimed job when its session ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JobOutcome {
@@ -88,6 +32,16 @@ pub enum JobOutcome {
     Recovered { recovery_count: u32 },
     /// Failed for good, with this reason.
     Failed { reason: String },
+}
+
+impl JobOutcome {
+    /// The audit event that records this outcome.
+    pub fn event_kind(&self) -> EventKind {
+        match self {
+            JobOutcome::Recovered { .. } => EventKind::JobRecovered,
+            JobOutcome::Failed { .. } => EventKind::JobFailed,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,7 +56,7 @@ pub struct NewJob {
 
 impl NewJob {
     /// Checks the payload and kind sizes and the recovery cap; returns the cap and kind the
-    /// job will have.
+    /// job will have. Every backend applies these rules before it stores a job.
     pub fn checked(&self) -> Result<(u32, String), InvalidInput> {
         check_text("payload", &self.payload, MAX_PAYLOAD_BYTES)?;
         let max_recoveries = self.max_recoveries.unwrap_or(DEFAULT_MAX_RECOVERIES);
@@ -152,12 +106,21 @@ pub enum Finish {
 }
 
 impl Finish {
-    /// Checks the result and reason sizes.
+    /// The text limits of what the claimant sends.
     pub fn check(&self) -> Result<(), InvalidInput> {
         match self {
             Finish::Complete { result } => check_text("result", result, MAX_RESULT_BYTES),
             Finish::Fail { reason } => check_text("reason", reason, MAX_REASON_BYTES),
             Finish::Release => Ok(()),
+        }
+    }
+
+    /// The audit event that records this finish.
+    pub fn event_kind(&self) -> EventKind {
+        match self {
+            Finish::Complete { .. } => EventKind::JobCompleted,
+            Finish::Fail { .. } => EventKind::JobFailed,
+            Finish::Release => EventKind::JobReleased,
         }
     }
 }
@@ -193,63 +156,148 @@ fn check_text(field: &'static str, text: &str, max: usize) -> Result<(), Invalid
     Ok(())
 }
 
-impl State {
-    pub(super) fn restore_jobs(
-        &mut self,
-        jobs: Vec<(JobId, JobRecord)>,
-    ) -> Result<(), RestoreError> {
-        for (id, r) in jobs {
-            let queue_name = QueueName::parse("queue", &r.queue)
-                .map_err(|_| RestoreError::BadQueue(id, r.queue.clone()))?;
-            let queue = self
-                .queues
-                .entry(queue_name.clone())
-                .or_insert_with(Queue::new);
-            queue.count(&r.status, 1);
-            match &r.status {
-                JobStatus::Queued => {
-                    queue.queued.insert(r.order, id);
-                    queue.head = queue.head.min(r.order - 1);
-                    queue.tail = queue.tail.max(r.order + 1);
-                }
-                JobStatus::Claimed {
-                    session_id, token, ..
-                } => {
-                    self.check_token(format!("job {id}"), *token)?;
-                    let Some(s) = self.sessions.get_mut(session_id) else {
-                        return Err(RestoreError::Orphan {
-                            what: format!("job {id}"),
-                            session: *session_id,
-                        });
-                    };
-                    s.jobs.push(id);
-                }
-                JobStatus::Done { .. } | JobStatus::Failed { .. } => {
-                    self.finished.insert((r.updated_at, id));
-                }
+#[derive(Debug, Clone)]
+struct Job {
+    queue: QueueName,
+    kind: String,
+    idempotent: bool,
+    max_recoveries: u32,
+    recovery_count: u32,
+    attempt: u32,
+    order: i64,
+    /// `Done` keeps no result in memory: it is written once, at completion.
+    status: JobStatus,
+    enqueued_at: UnixMs,
+    updated_at: UnixMs,
+}
+
+impl Job {
+    fn finished(&self) -> bool {
+        matches!(
+            self.status,
+            JobStatus::Done { .. } | JobStatus::Failed { .. }
+        )
+    }
+
+    /// What ending its claimant would do: recover it while it is idempotent with
+    /// recoveries left, fail it otherwise.
+    fn orphan_outcome(&self) -> JobOutcome {
+        if self.idempotent && self.recovery_count < self.max_recoveries {
+            JobOutcome::Recovered {
+                recovery_count: self.recovery_count + 1,
             }
-            let status = match r.status {
-                JobStatus::Done { .. } => JobStatus::Done {
-                    result: String::new(),
-                },
-                other => other,
-            };
-            self.jobs.insert(
-                id,
-                Job {
-                    queue: queue_name,
-                    kind: r.kind,
-                    idempotent: r.idempotent,
-                    max_recoveries: r.max_recoveries,
-                    recovery_count: r.recovery_count,
-                    attempt: r.attempt,
-                    order: r.order,
-                    status,
-                    enqueued_at: r.enqueued_at,
-                    updated_at: r.updated_at,
-                },
-            );
+        } else {
+            JobOutcome::Failed {
+                reason: if self.idempotent {
+                    REASON_MAX_RECOVERIES
+                } else {
+                    REASON_NOT_IDEMPOTENT
+                }
+                .to_string(),
+            }
         }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Queue {
+    /// Queued jobs by order: the first is the next claim.
+    queued: BTreeMap<i64, JobId>,
+    /// Next order at the head (recovered jobs): counts down from -1.
+    head: i64,
+    /// Next order at the tail (new jobs): counts up from 1.
+    tail: i64,
+    /// Jobs by state: queued, claimed, done, failed.
+    counts: [u64; 4],
+}
+
+impl Queue {
+    fn new() -> Queue {
+        Queue {
+            queued: BTreeMap::new(),
+            head: -1,
+            tail: 1,
+            counts: [0; 4],
+        }
+    }
+
+    fn push_tail(&mut self, id: JobId) -> i64 {
+        let order = self.tail;
+        self.tail += 1;
+        self.queued.insert(order, id);
+        order
+    }
+
+    fn push_head(&mut self, id: JobId) -> i64 {
+        let order = self.head;
+        self.head -= 1;
+        self.queued.insert(order, id);
+        order
+    }
+
+    fn count(&mut self, status: &JobStatus, delta: i64) {
+        let c = &mut self.counts[status.code() as usize];
+        *c = c
+            .checked_add_signed(delta)
+            .expect("job counts never go negative");
+    }
+}
+
+/// A job's record read back from the store, which names a queue this build cannot parse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct BadQueue(pub(super) String);
+
+/// Every job, queue and finished job.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Jobs {
+    jobs: HashMap<JobId, Job>,
+    queues: HashMap<QueueName, Queue>,
+    /// Finished jobs by when they finished, for the retention purge.
+    finished: BTreeSet<(UnixMs, JobId)>,
+}
+
+impl Jobs {
+    /// Puts back a job as the store has it.
+    pub(super) fn restore(&mut self, id: JobId, r: JobRecord) -> Result<(), BadQueue> {
+        let queue_name =
+            QueueName::parse("queue", &r.queue).map_err(|_| BadQueue(r.queue.clone()))?;
+        let queue = self
+            .queues
+            .entry(queue_name.clone())
+            .or_insert_with(Queue::new);
+        queue.count(&r.status, 1);
+        match &r.status {
+            JobStatus::Queued => {
+                queue.queued.insert(r.order, id);
+                queue.head = queue.head.min(r.order - 1);
+                queue.tail = queue.tail.max(r.order + 1);
+            }
+            JobStatus::Claimed { .. } => {}
+            JobStatus::Done { .. } | JobStatus::Failed { .. } => {
+                self.finished.insert((r.updated_at, id));
+            }
+        }
+        let status = match r.status {
+            JobStatus::Done { .. } => JobStatus::Done {
+                result: String::new(),
+            },
+            other => other,
+        };
+        self.jobs.insert(
+            id,
+            Job {
+                queue: queue_name,
+                kind: r.kind,
+                idempotent: r.idempotent,
+                max_recoveries: r.max_recoveries,
+                recovery_count: r.recovery_count,
+                attempt: r.attempt,
+                order: r.order,
+                status,
+                enqueued_at: r.enqueued_at,
+                updated_at: r.updated_at,
+            },
+        );
         Ok(())
     }
 
@@ -270,12 +318,12 @@ impl State {
     }
 
     /// Moves a job to `status`, keeping the queue's counts and the finished index in step,
-    /// and emits its record (with `payload` when it is new).
+    /// and returns its record to persist (with `payload` when it is new).
     fn set_status(
         &mut self,
         id: JobId,
         status: JobStatus,
-        at: At,
+        wall: UnixMs,
         payload: Option<String>,
     ) -> Change {
         let job = self.jobs.get_mut(&id).expect("set_status on a present job");
@@ -287,17 +335,13 @@ impl State {
             queue.count(&job.status, -1);
         }
         queue.count(&status, 1);
-        if matches!(
-            job.status,
-            JobStatus::Done { .. } | JobStatus::Failed { .. }
-        ) {
+        if job.finished() {
             self.finished.remove(&(job.updated_at, id));
         }
-        let finished = matches!(status, JobStatus::Done { .. } | JobStatus::Failed { .. });
         job.status = status;
-        job.updated_at = at.wall;
-        if finished {
-            self.finished.insert((at.wall, id));
+        job.updated_at = wall;
+        if job.finished() {
+            self.finished.insert((wall, id));
         }
         let record = self.record(id);
         // The result is persisted once; memory keeps none.
@@ -311,28 +355,38 @@ impl State {
         }
     }
 
-    fn job_event(&mut self, id: JobId, kind: EventKind, at: At) -> super::change::Event {
+    /// Puts a job back at the head of its queue (it was handed back or recovered) and
+    /// returns the queue, which now has a job for its waiters.
+    fn push_head(&mut self, id: JobId) -> QueueName {
+        let queue = self.jobs[&id].queue.clone();
+        let order = self
+            .queues
+            .get_mut(&queue)
+            .expect("a job's queue exists")
+            .push_head(id);
+        self.jobs.get_mut(&id).expect("present").order = order;
+        queue
+    }
+
+    /// Fills in what an audit event says of job `id`: the job, its queue, and the token of
+    /// its claim while it is claimed.
+    pub(super) fn describe(&self, id: JobId, event: &mut Event) {
         let job = &self.jobs[&id];
-        let queue = job.queue.to_string();
-        let token = match &job.status {
+        event.job_id = Some(id);
+        event.queue = Some(job.queue.to_string());
+        event.token = match &job.status {
             JobStatus::Claimed { token, .. } => Some(*token),
             _ => None,
         };
-        let mut event = self.event(at.wall, kind);
-        event.job_id = Some(id);
-        event.queue = Some(queue);
-        event.token = token;
-        event
     }
 
-    /// Adds a job at the tail of its queue.
-    pub fn enqueue(
+    /// Adds a job at the tail of its queue; returns its record, payload included.
+    pub(super) fn enqueue(
         &mut self,
         id: JobId,
         new: NewJob,
-        at: At,
-        fx: &mut Effects,
-    ) -> Result<u64, InvalidInput> {
+        wall: UnixMs,
+    ) -> Result<Change, InvalidInput> {
         let (max_recoveries, kind) = new.checked()?;
         debug_assert!(!self.jobs.contains_key(&id), "job ids are never reused");
         let queue = self
@@ -343,7 +397,7 @@ impl State {
         self.jobs.insert(
             id,
             Job {
-                queue: new.queue.clone(),
+                queue: new.queue,
                 kind,
                 idempotent: new.idempotent,
                 max_recoveries,
@@ -351,197 +405,114 @@ impl State {
                 attempt: 0,
                 order,
                 status: JobStatus::Queued,
-                enqueued_at: at.wall,
-                updated_at: at.wall,
+                enqueued_at: wall,
+                updated_at: wall,
             },
         );
-        let revision = self.next_revision();
-        let change = self.set_status(id, JobStatus::Queued, at, Some(new.payload));
-        fx.changes.push(change);
-        let event = self.job_event(id, EventKind::JobEnqueued, at);
-        fx.changes.push(Change::Event(event));
-        fx.ready_queues.push(new.queue);
-        Ok(revision)
+        Ok(self.set_status(id, JobStatus::Queued, wall, Some(new.payload)))
+    }
+
+    pub(super) fn contains(&self, id: JobId) -> bool {
+        self.jobs.contains_key(&id)
     }
 
     /// Whether `queue` has a job to claim.
-    pub fn queue_has_job(&self, queue: &QueueName) -> bool {
+    pub(super) fn has_queued(&self, queue: &QueueName) -> bool {
         self.queues.get(queue).is_some_and(|q| !q.queued.is_empty())
     }
 
-    /// Claims the first queued job of `queue` for session `id`; `None` when there is none.
-    pub fn claim(
+    /// Claims the first queued job of `queue` for `session` with `token`, drawn by the
+    /// caller once it knows there is a job (`has_queued`).
+    pub(super) fn claim_next(
         &mut self,
-        id: SessionId,
-        queue_name: &QueueName,
-        at: At,
-        fx: &mut Effects,
-    ) -> Result<Option<Claim>, ClaimGone> {
-        self.live_or_end(id, at, fx).map_err(|Gone| ClaimGone)?;
-        let Some(queue) = self.queues.get_mut(queue_name) else {
-            return Ok(None);
-        };
-        let Some((_, job_id)) = queue.queued.pop_first() else {
-            return Ok(None);
-        };
-        let revision = self.next_revision();
-        let token = Token(revision);
-        let job = self.jobs.get_mut(&job_id).expect("queued jobs exist");
-        job.attempt += 1;
-        let (attempt, recovery_count, kind) = (job.attempt, job.recovery_count, job.kind.clone());
-        let change = self.set_status(
-            job_id,
-            JobStatus::Claimed {
-                session_id: id,
-                token,
-                claimed_at: at.wall,
-            },
-            at,
-            None,
-        );
-        fx.changes.push(change);
-        self.sessions
-            .get_mut(&id)
-            .expect("checked live above")
-            .jobs
-            .push(job_id);
-        let mut event = self.job_event(job_id, EventKind::JobClaimed, at);
-        event.session_id = Some(id);
-        fx.changes.push(Change::Event(event));
-        Ok(Some(Claim {
-            job: job_id,
-            token,
-            attempt,
-            recovery_count,
-            kind,
-            revision,
-        }))
-    }
-
-    /// Completes, fails or hands back a claimed job. Only the current claim (this live
-    /// session with this token) may; anyone else gets `StaleToken` and changes nothing —
-    /// a late worker can never finish a job that someone else now holds.
-    pub fn finish_job(
-        &mut self,
-        id: SessionId,
-        job_id: JobId,
+        queue: &QueueName,
+        session: SessionId,
         token: Token,
-        finish: Finish,
-        at: At,
-        fx: &mut Effects,
-    ) -> Result<u64, JobError> {
-        finish.check()?;
-        if !self.jobs.contains_key(&job_id) {
-            return Err(JobError::NotFound);
-        }
-        // A claimant past its deadline is ended inline; its job was settled with it.
-        let _ = self.live_or_end(id, at, fx);
-        match &self.jobs[&job_id].status {
-            JobStatus::Claimed {
-                session_id,
-                token: current,
-                ..
-            } if *session_id == id && *current == token => {}
-            _ => return Err(JobError::StaleToken),
-        }
-        if let Some(s) = self.sessions.get_mut(&id)
-            && let Some(pos) = s.jobs.iter().position(|j| *j == job_id)
-        {
-            s.jobs.swap_remove(pos);
-        }
-        let revision = self.next_revision();
-        // The event names the claim that finished it, so it is built before the change.
-        let (kind, status) = match finish {
-            Finish::Complete { result } => (EventKind::JobCompleted, JobStatus::Done { result }),
-            Finish::Fail { reason } => (EventKind::JobFailed, JobStatus::Failed { reason }),
-            Finish::Release => (EventKind::JobReleased, JobStatus::Queued),
+        wall: UnixMs,
+    ) -> (Claim, Change) {
+        let (_, id) = self
+            .queues
+            .get_mut(queue)
+            .and_then(|q| q.queued.pop_first())
+            .expect("claim_next is called on a queue with a queued job");
+        let job = self.jobs.get_mut(&id).expect("queued jobs exist");
+        job.attempt += 1;
+        let claim = Claim {
+            job: id,
+            token,
+            attempt: job.attempt,
+            recovery_count: job.recovery_count,
+            kind: job.kind.clone(),
+            revision: token.0,
         };
-        let mut event = self.job_event(job_id, kind, at);
-        event.session_id = Some(id);
-        if let JobStatus::Failed { reason } = &status {
-            event.detail = Some(reason.clone());
-        }
-        if matches!(status, JobStatus::Queued) {
-            let queue = self.jobs[&job_id].queue.clone();
-            let order = self
-                .queues
-                .get_mut(&queue)
-                .expect("a job's queue exists")
-                .push_head(job_id);
-            self.jobs.get_mut(&job_id).expect("present").order = order;
-            fx.ready_queues.push(queue);
-        }
-        let change = self.set_status(job_id, status, at, None);
-        fx.changes.push(change);
-        fx.changes.push(Change::Event(event));
-        Ok(revision)
+        let status = JobStatus::Claimed {
+            session_id: session,
+            token,
+            claimed_at: wall,
+        };
+        (claim, self.set_status(id, status, wall, None))
     }
 
-    /// Settles every job an ending session had claimed: recovered to the head of its queue
-    /// when idempotent with recoveries left, failed otherwise.
-    pub(super) fn settle_jobs(
+    /// The current claim of a job: who holds it, with which token.
+    pub(super) fn claimant(&self, id: JobId) -> Option<(SessionId, Token)> {
+        match self.jobs.get(&id).map(|j| &j.status) {
+            Some(JobStatus::Claimed {
+                session_id, token, ..
+            }) => Some((*session_id, *token)),
+            _ => None,
+        }
+    }
+
+    /// Finishes a claimed job as its claimant asked; returns its record and, for a job handed
+    /// back, its queue (which now has a job for its waiters).
+    pub(super) fn finish(
         &mut self,
-        id: SessionId,
-        jobs: Vec<JobId>,
-        at: At,
-        fx: &mut Effects,
-    ) -> Vec<(JobId, JobOutcome)> {
-        let mut out = Vec::with_capacity(jobs.len());
-        for job_id in jobs {
-            let job = &self.jobs[&job_id];
-            debug_assert!(
-                matches!(job.status, JobStatus::Claimed { session_id, .. } if session_id == id)
-            );
-            let recover = job.idempotent && job.recovery_count < job.max_recoveries;
-            let mut event;
-            let outcome = if recover {
-                event = self.job_event(job_id, EventKind::JobRecovered, at);
-                let queue = self.jobs[&job_id].queue.clone();
-                let order = self
-                    .queues
-                    .get_mut(&queue)
-                    .expect("a job's queue exists")
-                    .push_head(job_id);
-                let job = self.jobs.get_mut(&job_id).expect("present");
-                job.order = order;
-                job.recovery_count += 1;
-                let recovery_count = job.recovery_count;
-                let change = self.set_status(job_id, JobStatus::Queued, at, None);
-                fx.changes.push(change);
-                fx.ready_queues.push(queue);
-                JobOutcome::Recovered { recovery_count }
-            } else {
-                let reason = if job.idempotent {
-                    REASON_MAX_RECOVERIES
-                } else {
-                    REASON_NOT_IDEMPOTENT
-                };
-                event = self.job_event(job_id, EventKind::JobFailed, at);
-                event.detail = Some(reason.to_string());
-                let change = self.set_status(
-                    job_id,
-                    JobStatus::Failed {
-                        reason: reason.to_string(),
-                    },
-                    at,
-                    None,
-                );
-                fx.changes.push(change);
-                JobOutcome::Failed {
-                    reason: reason.to_string(),
-                }
-            };
-            event.session_id = Some(id);
-            fx.changes.push(Change::Event(event));
-            out.push((job_id, outcome));
-        }
-        out
+        id: JobId,
+        finish: Finish,
+        wall: UnixMs,
+    ) -> (Change, Option<QueueName>) {
+        let (status, ready) = match finish {
+            Finish::Complete { result } => (JobStatus::Done { result }, None),
+            Finish::Fail { reason } => (JobStatus::Failed { reason }, None),
+            Finish::Release => (JobStatus::Queued, Some(self.push_head(id))),
+        };
+        (self.set_status(id, status, wall, None), ready)
     }
 
-    /// Sends a failed job back to the tail of its queue, with its recovery count reset: an
-    /// operator's explicit decision to try again.
-    pub fn requeue(&mut self, job_id: JobId, at: At, fx: &mut Effects) -> Result<u64, JobError> {
-        let job = self.jobs.get(&job_id).ok_or(JobError::NotFound)?;
+    /// Settles a job whose claimant ended: recovered to the head of its queue when
+    /// idempotent with recoveries left, failed otherwise. Returns the outcome, the record,
+    /// and the queue when it has a job for its waiters again.
+    pub(super) fn orphan(
+        &mut self,
+        id: JobId,
+        wall: UnixMs,
+    ) -> (JobOutcome, Change, Option<QueueName>) {
+        let outcome = self.jobs[&id].orphan_outcome();
+        match &outcome {
+            JobOutcome::Recovered { recovery_count } => {
+                let queue = self.push_head(id);
+                self.jobs.get_mut(&id).expect("present").recovery_count = *recovery_count;
+                let change = self.set_status(id, JobStatus::Queued, wall, None);
+                (outcome, change, Some(queue))
+            }
+            JobOutcome::Failed { reason } => {
+                let status = JobStatus::Failed {
+                    reason: reason.clone(),
+                };
+                let change = self.set_status(id, status, wall, None);
+                (outcome, change, None)
+            }
+        }
+    }
+
+    /// Sends a failed job back to the tail of its queue with its recovery count reset;
+    /// returns its record and its queue.
+    pub(super) fn requeue(
+        &mut self,
+        id: JobId,
+        wall: UnixMs,
+    ) -> Result<(Change, QueueName), JobError> {
+        let job = self.jobs.get(&id).ok_or(JobError::NotFound)?;
         if !matches!(job.status, JobStatus::Failed { .. }) {
             return Err(JobError::NotFailed);
         }
@@ -550,21 +521,16 @@ impl State {
             .queues
             .get_mut(&queue)
             .expect("a job's queue exists")
-            .push_tail(job_id);
-        let job = self.jobs.get_mut(&job_id).expect("present");
+            .push_tail(id);
+        let job = self.jobs.get_mut(&id).expect("present");
         job.order = order;
         job.recovery_count = 0;
-        let revision = self.next_revision();
-        let change = self.set_status(job_id, JobStatus::Queued, at, None);
-        fx.changes.push(change);
-        let event = self.job_event(job_id, EventKind::JobRequeued, at);
-        fx.changes.push(Change::Event(event));
-        fx.ready_queues.push(queue);
-        Ok(revision)
+        Ok((self.set_status(id, JobStatus::Queued, wall, None), queue))
     }
 
-    /// Purges up to `limit` jobs that finished before `before`.
-    pub fn purge_jobs(&mut self, before: UnixMs, limit: usize, fx: &mut Effects) -> usize {
+    /// Purges up to `limit` jobs that finished before `before`, pushing their deletions to
+    /// `out`; returns how many.
+    pub(super) fn purge(&mut self, before: UnixMs, limit: usize, out: &mut Vec<Change>) -> usize {
         let mut purged = 0;
         while purged < limit {
             let Some(&(at, id)) = self.finished.first() else {
@@ -581,16 +547,16 @@ impl State {
                     self.queues.remove(&job.queue);
                 }
             }
-            fx.changes.push(Change::DeleteJob {
+            out.push(Change::DeleteJob {
                 id,
-                queue: job.queue.clone(),
+                queue: job.queue,
             });
             purged += 1;
         }
         purged
     }
 
-    pub fn queue_counts(&self, queue: &QueueName) -> QueueCounts {
+    pub(super) fn counts(&self, queue: &QueueName) -> QueueCounts {
         match self.queues.get(queue) {
             Some(q) => QueueCounts {
                 queued: q.counts[0],
@@ -603,45 +569,39 @@ impl State {
     }
 
     /// Every queue with its counts, in name order.
-    pub fn queues(&self) -> Vec<(QueueName, QueueCounts)> {
+    pub(super) fn queues(&self) -> Vec<(QueueName, QueueCounts)> {
         let mut out: Vec<_> = self
             .queues
             .keys()
-            .map(|q| (q.clone(), self.queue_counts(q)))
+            .map(|q| (q.clone(), self.counts(q)))
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
 
-    /// What ending its claimant now would do to `job` (for the reaper's dry run); `None`
-    /// unless the job is claimed.
-    pub fn job_outcome_if_ended(&self, job: JobId) -> Option<JobOutcome> {
-        let j = self.jobs.get(&job)?;
-        if !matches!(j.status, JobStatus::Claimed { .. }) {
-            return None;
-        }
-        Some(if j.idempotent && j.recovery_count < j.max_recoveries {
-            JobOutcome::Recovered {
-                recovery_count: j.recovery_count + 1,
-            }
-        } else {
-            JobOutcome::Failed {
-                reason: if j.idempotent {
-                    REASON_MAX_RECOVERIES
-                } else {
-                    REASON_NOT_IDEMPOTENT
-                }
-                .to_string(),
-            }
-        })
+    /// What ending its claimant now would do to a claimed job; `None` for any other.
+    pub(super) fn outcome_if_orphaned(&self, id: JobId) -> Option<JobOutcome> {
+        let j = self.jobs.get(&id)?;
+        matches!(j.status, JobStatus::Claimed { .. }).then(|| j.orphan_outcome())
     }
 
-    /// A job's state as memory has it (the store has the payload and result).
-    pub fn job_status(&self, id: JobId) -> Option<&JobStatus> {
+    pub(super) fn status(&self, id: JobId) -> Option<&JobStatus> {
         self.jobs.get(&id).map(|j| &j.status)
     }
 
-    pub(super) fn check_jobs(&self) -> Result<(), String> {
+    /// Every claimed job with its claimant and token, for the aggregate's invariant check.
+    pub(super) fn claims(&self) -> impl Iterator<Item = (JobId, SessionId, Token)> + '_ {
+        self.jobs.iter().filter_map(|(id, j)| match &j.status {
+            JobStatus::Claimed {
+                session_id, token, ..
+            } => Some((*id, *session_id, *token)),
+            _ => None,
+        })
+    }
+
+    /// The table's own invariants: each job sits in its queue exactly while it is queued,
+    /// the counts match the jobs, and no job was recovered past its cap.
+    pub(super) fn check(&self) -> Result<(), String> {
         let mut counts: HashMap<&QueueName, [u64; 4]> = HashMap::new();
         for (id, job) in &self.jobs {
             counts.entry(&job.queue).or_default()[job.status.code() as usize] += 1;
@@ -657,23 +617,8 @@ impl State {
                 JobStatus::Queued if !queued => {
                     return Err(format!("queued job {id} is not in its queue"));
                 }
-                JobStatus::Claimed {
-                    session_id, token, ..
-                } => {
-                    if queued {
-                        return Err(format!("claimed job {id} is still queued"));
-                    }
-                    let Some(s) = self.sessions.get(session_id) else {
-                        return Err(format!(
-                            "job {id} is claimed by missing session {session_id}"
-                        ));
-                    };
-                    if !s.jobs.contains(id) {
-                        return Err(format!("job {id} is not in its claimant's list"));
-                    }
-                    if token.0 > self.revision() {
-                        return Err(format!("job {id} has a token above the revision"));
-                    }
+                JobStatus::Claimed { .. } if queued => {
+                    return Err(format!("claimed job {id} is still queued"));
                 }
                 _ => {}
             }
@@ -691,14 +636,102 @@ impl State {
                 }
             }
         }
-        for (sid, s) in &self.sessions {
-            for id in &s.jobs {
-                match self.jobs.get(id).map(|j| &j.status) {
-                    Some(JobStatus::Claimed { session_id, .. }) if session_id == sid => {}
-                    _ => return Err(format!("session {sid} lists job {id} it has not claimed")),
-                }
-            }
-        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue() -> QueueName {
+        QueueName::parse("queue", "q").unwrap()
+    }
+
+    fn new(idempotent: bool, max_recoveries: u32) -> NewJob {
+        NewJob {
+            queue: queue(),
+            payload: "{}".into(),
+            idempotent,
+            max_recoveries: Some(max_recoveries),
+            kind: None,
+        }
+    }
+
+    #[test]
+    fn recovered_jobs_go_to_the_head_and_the_cap_fails_them() {
+        let mut jobs = Jobs::default();
+        let (a, b) = (JobId::from_u128(1), JobId::from_u128(2));
+        jobs.enqueue(a, new(true, 1), UnixMs(0)).unwrap();
+        jobs.enqueue(b, new(true, 1), UnixMs(0)).unwrap();
+        let s = SessionId::from_u128(9);
+        let (claim, _) = jobs.claim_next(&queue(), s, Token(5), UnixMs(1));
+        assert_eq!((claim.job, claim.attempt), (a, 1));
+        assert_eq!(jobs.claimant(a), Some((s, Token(5))));
+        let (outcome, _, ready) = jobs.orphan(a, UnixMs(2));
+        assert_eq!(outcome, JobOutcome::Recovered { recovery_count: 1 });
+        assert_eq!(ready, Some(queue()));
+        // Back at the head, ahead of the job enqueued after it.
+        let (again, _) = jobs.claim_next(&queue(), s, Token(6), UnixMs(3));
+        assert_eq!((again.job, again.attempt, again.recovery_count), (a, 2, 1));
+        let (outcome, _, ready) = jobs.orphan(a, UnixMs(4));
+        assert_eq!(
+            outcome,
+            JobOutcome::Failed {
+                reason: REASON_MAX_RECOVERIES.into()
+            }
+        );
+        assert_eq!(ready, None);
+        assert_eq!(
+            jobs.counts(&queue()),
+            QueueCounts {
+                queued: 1,
+                claimed: 0,
+                done: 0,
+                failed: 1
+            }
+        );
+        jobs.check().unwrap();
+    }
+
+    #[test]
+    fn enqueue_checks_its_input() {
+        let mut jobs = Jobs::default();
+        let big = NewJob {
+            payload: "x".repeat(MAX_PAYLOAD_BYTES + 1),
+            ..new(true, 1)
+        };
+        assert_eq!(
+            jobs.enqueue(JobId::from_u128(1), big, UnixMs(0))
+                .unwrap_err()
+                .field,
+            "payload"
+        );
+        let many = new(true, MAX_RECOVERIES + 1);
+        assert_eq!(
+            jobs.enqueue(JobId::from_u128(1), many, UnixMs(0))
+                .unwrap_err()
+                .field,
+            "max_recoveries"
+        );
+        assert!(jobs.queues().is_empty());
+    }
+
+    #[test]
+    fn purge_takes_the_oldest_finished_first_and_drops_empty_queues() {
+        let mut jobs = Jobs::default();
+        let s = SessionId::from_u128(9);
+        for i in 1..=3 {
+            jobs.enqueue(JobId::from_u128(i), new(false, 0), UnixMs(0))
+                .unwrap();
+            jobs.claim_next(&queue(), s, Token(i as u64), UnixMs(0));
+            jobs.orphan(JobId::from_u128(i), UnixMs(i as u64 * 10));
+        }
+        let mut out = Vec::new();
+        assert_eq!(jobs.purge(UnixMs(25), 10, &mut out), 2);
+        assert_eq!(out.len(), 2);
+        assert_eq!(jobs.purge(UnixMs(100), 10, &mut out), 1);
+        assert!(jobs.queues().is_empty());
+        jobs.check().unwrap();
     }
 }

@@ -5,14 +5,30 @@
 //! the batch that applied them has been committed with fsync. Plain heartbeats touch only
 //! memory (the deadline lives on the monotonic clock) and never wait for the writer. Reads
 //! come from redb read transactions, so they see only what has been committed, plus the
-//! in-memory deadlines for liveness.
+//! in-memory deadlines for liveness; one about to say a session is gone asks the writer
+//! first, so that no restart can revive what an answer called gone.
+//!
+//! - the handle [`Embedded`] (here), its write side (`mutate`) and read side (`read`);
+//! - `commands`: what the writer is asked and how answers get back;
+//! - `writer`: the batch loop and the commit; `apply`: one command applied to the state;
+//!   `serve`: waiters served when resources free up; `tallies`: metrics after a commit;
+//! - `waiters`, `reaper`, `shared`, `errors`, and [`store`], the redb file.
 
+mod apply;
+mod commands;
+mod errors;
+mod mutate;
+mod read;
 mod reaper;
+mod serve;
+mod shared;
 pub mod store;
+mod tallies;
 mod waiters;
 mod writer;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
@@ -21,53 +37,20 @@ use tokio::sync::oneshot;
 
 use crate::backend::{
     Backend, BackendError, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage,
-    LockPage, OpenedSession, PoolInfo, QueueInfo, ReapOutcome, SeatHolder, SessionInfo,
-    SessionPage,
+    LockPage, OpenedSession, PoolInfo, QueueInfo, ReapOutcome, SessionInfo, SessionPage,
 };
 use crate::clock::Clock;
-use crate::domain::time::to_wall;
 use crate::domain::{
-    At, EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, Mono, NewJob,
-    PoolName, PoolPut, QueueName, RestoreError, SessionId, SessionRecord, SessionView, State,
-    Token, UnixMs,
+    EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, NewJob, PoolName,
+    PoolPut, QueueName, SessionId, State, Token,
 };
 use crate::engine::EngineConfig;
 use crate::metrics::Metrics;
-use store::{Store, StoreError};
-use waiters::{Resource, Waiters};
-use writer::Command;
-
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("the data file is inconsistent ({0}); run `leasehold check` for a full report")]
-    Inconsistent(#[from] RestoreError),
-    #[error("cannot start a thread: {0}")]
-    Thread(#[from] std::io::Error),
-}
-
-/// Keeps the first `limit` rows of a page fetched with one extra, and returns the last kept
-/// row (the next cursor) only when the extra row showed there is more.
-fn more<T>(rows: &mut Vec<T>, limit: usize) -> Option<&T> {
-    if rows.len() > limit {
-        rows.truncate(limit);
-        rows.last()
-    } else {
-        None
-    }
-}
-
-pub(crate) struct Shared {
-    pub config: EngineConfig,
-    pub state: Mutex<State>,
-    /// Owned by the writer; readers only count waiters. Locked after `state`, never before.
-    pub waiters: Mutex<Waiters>,
-    pub draining: std::sync::atomic::AtomicBool,
-    pub store: Store,
-    pub clock: Arc<dyn Clock>,
-    pub metrics: Arc<Metrics>,
-}
+use commands::Command;
+pub use errors::StartError;
+use shared::Shared;
+use store::Store;
+use waiters::Waiters;
 
 struct Threads {
     writer: Option<JoinHandle<()>>,
@@ -83,8 +66,9 @@ pub struct Embedded {
 }
 
 impl Embedded {
-    /// Loads the state from `store`, gives every live session the restart grace, and starts
-    /// the writer and the reaper.
+    /// Loads the state from `store`, gives every session the restart grace (a fresh TTL; a
+    /// session that an answer called gone has none left and comes back due), and starts the
+    /// writer and the reaper.
     pub fn start(
         config: EngineConfig,
         store: Store,
@@ -106,7 +90,7 @@ impl Embedded {
             config,
             state: Mutex::new(state),
             waiters: Mutex::new(Waiters::default()),
-            draining: std::sync::atomic::AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             store,
             clock,
             metrics,
@@ -154,19 +138,14 @@ impl Embedded {
     /// load balancers stop sending while in-flight requests drain.
     pub fn ready(&self) -> bool {
         !self.shared.store.failed()
-            && !self
-                .shared
-                .draining
-                .load(std::sync::atomic::Ordering::SeqCst)
+            && !self.shared.draining.load(Ordering::SeqCst)
             && self.threads.lock().writer.is_some()
     }
 
     /// Marks the start of a shutdown: readiness turns false and requests waiting for a lock,
     /// a seat or a job are answered `503 shutting_down` at once; others are still served.
     pub fn begin_drain(&self) {
-        self.shared
-            .draining
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.shared.draining.store(true, Ordering::SeqCst);
         let _ = self.tx.try_send(Command::Drain);
     }
 
@@ -184,503 +163,6 @@ impl Embedded {
             Err(TrySendError::Disconnected(_)) => return Err(BackendError::ShuttingDown),
         }
         rx.await.unwrap_or(Err(BackendError::ShuttingDown))
-    }
-
-    pub async fn open(
-        &self,
-        owner: String,
-        ttl_ms: Option<u64>,
-        metadata: Option<String>,
-    ) -> Result<OpenedSession, BackendError> {
-        let id = SessionId::random();
-        self.call(|reply| Command::Open {
-            id,
-            owner,
-            ttl_ms,
-            metadata: metadata.unwrap_or_default(),
-            reply,
-        })
-        .await
-    }
-
-    /// Extends a session. Without a new TTL this touches memory only; with one, the TTL is
-    /// persisted first so the restart grace uses it.
-    pub async fn heartbeat(
-        &self,
-        id: SessionId,
-        ttl_ms: Option<u64>,
-    ) -> Result<Beat, BackendError> {
-        if ttl_ms.is_some() {
-            return self
-                .call(|reply| Command::Heartbeat { id, ttl_ms, reply })
-                .await;
-        }
-        if self.shared.store.failed() {
-            return Err(BackendError::StoreFailed);
-        }
-        let at = At {
-            now: self.shared.clock.now(),
-            wall: self.shared.clock.wall(),
-        };
-        let beat = {
-            let mut state = self.shared.state.lock();
-            // A live session's plain heartbeat changes nothing durable: answer it here. Any
-            // other (unknown, or past its deadline and so to be ended durably) goes through
-            // the writer, so that "gone" is only ever said once it is on disk.
-            if state.is_live(id, at.now) {
-                Some(state.heartbeat(id, None, at, &mut crate::domain::Effects::default()))
-            } else {
-                None
-            }
-        };
-        match beat {
-            Some(Ok(b)) => {
-                self.shared.metrics.heartbeats.inc();
-                Ok(Beat {
-                    expires_at: to_wall(b.deadline, at.now, at.wall),
-                    ttl_ms: b.ttl_ms,
-                })
-            }
-            Some(Err(_)) => Err(BackendError::SessionGone),
-            None => {
-                self.call(|reply| Command::Heartbeat { id, ttl_ms, reply })
-                    .await
-            }
-        }
-    }
-
-    /// Ends a session and everything it holds. `None` when it was unknown or already ended.
-    pub async fn end(
-        &self,
-        id: SessionId,
-        reason: EndReason,
-    ) -> Result<Option<Closed>, BackendError> {
-        self.call(|reply| Command::End { id, reason, reply }).await
-    }
-
-    /// Takes `key` for session `id`, waiting up to `wait_ms` (capped by `max_wait_ms`) in
-    /// first-come, first-served order behind other waiters.
-    pub async fn acquire(
-        &self,
-        id: SessionId,
-        key: LockKey,
-        wait_ms: u64,
-    ) -> Result<Granted, BackendError> {
-        let wait = wait_ms.min(self.shared.config.max_wait_ms);
-        let deadline = (wait > 0).then(|| self.shared.clock.now().plus_ms(wait));
-        self.call(|reply| Command::Acquire {
-            id,
-            key,
-            deadline,
-            reply,
-        })
-        .await
-    }
-
-    pub async fn release(
-        &self,
-        id: SessionId,
-        key: LockKey,
-        token: Token,
-    ) -> Result<u64, BackendError> {
-        self.call(|reply| Command::Release {
-            id,
-            key,
-            token,
-            reply,
-        })
-        .await
-    }
-
-    /// Runs reaper passes now until no session is due.
-    pub async fn reap_now(&self) -> Result<ReapOutcome, BackendError> {
-        let mut total = ReapOutcome::default();
-        loop {
-            let limit = self.shared.config.reaper_batch;
-            let pass = self
-                .call(|reply| Command::Reap {
-                    size: writer::PassSize::AtMost(limit),
-                    reply,
-                })
-                .await?;
-            total.sessions += pass.sessions;
-            total.locks += pass.locks;
-            total.seats += pass.seats;
-            total.jobs += pass.jobs;
-            if pass.sessions < limit {
-                return Ok(total);
-            }
-        }
-    }
-
-    /// What a reap now would end, changing nothing.
-    pub fn reap_dry_run(&self, limit: usize) -> Result<Vec<DueSession>, BackendError> {
-        self.vouch_for_liveness()?;
-        let now = self.shared.clock.now();
-        let wall = self.shared.clock.wall();
-        let state = self.shared.state.lock();
-        Ok(state
-            .due(now, limit)
-            .into_iter()
-            .map(|v| DueSession {
-                id: v.id,
-                expired_at: to_wall(v.deadline, now, wall),
-                locks: v
-                    .locks
-                    .into_iter()
-                    .map(|(k, t)| (k.to_string(), t))
-                    .collect(),
-                seats: v.seats.iter().map(|p| p.to_string()).collect(),
-                jobs: v
-                    .jobs
-                    .iter()
-                    .filter_map(|j| state.job_outcome_if_ended(*j).map(|o| (*j, o)))
-                    .collect(),
-            })
-            .collect())
-    }
-
-    fn info(
-        &self,
-        view: SessionView,
-        record: SessionRecord,
-        now: Mono,
-        wall: UnixMs,
-    ) -> Result<SessionInfo, BackendError> {
-        let store = &self.shared.store;
-        let locks = store
-            .session_locks(view.id)?
-            .into_iter()
-            .map(|(k, r)| (k, r.token))
-            .collect();
-        let seats = store.session_seats(view.id)?;
-        let jobs = store.session_jobs(view.id)?;
-        Ok(SessionInfo {
-            id: view.id,
-            ttl_ms: view.ttl_ms,
-            expires_at: to_wall(view.deadline, now, wall),
-            last_heartbeat_at: to_wall(view.last_heartbeat(), now, wall),
-            grace: view.in_grace(now),
-            record,
-            locks,
-            seats,
-            jobs,
-        })
-    }
-
-    /// Liveness lives in memory, and after a failed commit memory may hold changes that
-    /// were never committed: from then on the server no longer vouches for who is alive.
-    fn vouch_for_liveness(&self) -> Result<(), BackendError> {
-        if self.shared.store.failed() {
-            Err(BackendError::StoreFailed)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// A live session, as committed. `None` when it is gone.
-    pub fn session(&self, id: SessionId) -> Result<Option<SessionInfo>, BackendError> {
-        self.vouch_for_liveness()?;
-        let now = self.shared.clock.now();
-        let wall = self.shared.clock.wall();
-        let Some(view) = self.shared.state.lock().session(id, now) else {
-            return Ok(None);
-        };
-        let Some(record) = self.shared.store.session(id)? else {
-            return Ok(None);
-        };
-        self.info(view, record, now, wall).map(Some)
-    }
-
-    /// A page of live sessions in id order, and the cursor of the next page.
-    pub fn sessions(
-        &self,
-        owner: Option<&str>,
-        after: Option<SessionId>,
-        limit: usize,
-    ) -> Result<(Vec<SessionInfo>, Option<SessionId>), BackendError> {
-        self.vouch_for_liveness()?;
-        let mut rows = self.shared.store.sessions(owner, after, limit + 1)?;
-        let next = more(&mut rows, limit).map(|(id, _)| *id);
-        let now = self.shared.clock.now();
-        let wall = self.shared.clock.wall();
-        let views: Vec<_> = {
-            let state = self.shared.state.lock();
-            rows.into_iter()
-                .filter_map(|(id, rec)| state.session(id, now).map(|v| (v, rec)))
-                .collect()
-        };
-        let infos = views
-            .into_iter()
-            .map(|(v, rec)| self.info(v, rec, now, wall))
-            .collect::<Result<_, _>>()?;
-        Ok((infos, next))
-    }
-
-    pub fn lock(&self, key: &LockKey) -> Result<Option<LockRecord>, BackendError> {
-        Ok(self.shared.store.lock(key.as_str())?)
-    }
-
-    pub fn locks(
-        &self,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<LockPage, BackendError> {
-        let mut rows = self.shared.store.locks(prefix, after, limit + 1)?;
-        let next = more(&mut rows, limit).map(|(k, _)| k.clone());
-        Ok((rows, next))
-    }
-
-    /// May a resource still accept `token` for `key`? Only while it is the token of the key's
-    /// present holder and that holder's session is alive.
-    pub fn fence(&self, key: &LockKey, token: Token) -> Result<Fence, BackendError> {
-        self.vouch_for_liveness()?;
-        let Some(lock) = self.shared.store.lock(key.as_str())? else {
-            return Ok(Fence {
-                current: false,
-                latest: None,
-            });
-        };
-        let live = self
-            .shared
-            .state
-            .lock()
-            .is_live(lock.session_id, self.shared.clock.now());
-        Ok(Fence {
-            current: live && lock.token == token,
-            latest: Some(lock.token),
-        })
-    }
-
-    pub fn events(
-        &self,
-        after: u64,
-        limit: usize,
-    ) -> Result<(Vec<Event>, Option<u64>), BackendError> {
-        let events = self.shared.store.events(after, limit)?;
-        let next = events.last().map(|e| e.seq);
-        Ok((events, next))
-    }
-
-    /// Creates a pool or changes its capacity and metadata.
-    pub async fn put_pool(
-        &self,
-        name: PoolName,
-        capacity: u64,
-        metadata: Option<String>,
-    ) -> Result<PoolPut, BackendError> {
-        // A resize keeps when the pool was created, and its metadata unless new is given.
-        let existing = self.shared.store.pool(name.as_str())?;
-        let created_at = existing.as_ref().map(|p| p.created_at);
-        let metadata = metadata
-            .or_else(|| existing.map(|p| p.metadata))
-            .unwrap_or_default();
-        self.call(|reply| Command::PutPool {
-            name,
-            capacity,
-            metadata,
-            created_at,
-            reply,
-        })
-        .await
-    }
-
-    pub async fn delete_pool(&self, name: PoolName) -> Result<u64, BackendError> {
-        self.call(|reply| Command::DeletePool { name, reply }).await
-    }
-
-    /// Takes a seat (one per session per pool), waiting up to `wait_ms` in first-come,
-    /// first-served order when the pool is full.
-    pub async fn acquire_seat(
-        &self,
-        id: SessionId,
-        pool: PoolName,
-        metadata: Option<String>,
-        wait_ms: u64,
-    ) -> Result<Granted, BackendError> {
-        let started = std::time::Instant::now();
-        let deadline = self.wait_deadline(wait_ms);
-        let r = self
-            .call(|reply| Command::AcquireSeat {
-                id,
-                pool,
-                metadata: metadata.unwrap_or_default(),
-                deadline,
-                reply,
-            })
-            .await;
-        if r.is_ok() {
-            self.shared
-                .metrics
-                .seat_wait_seconds
-                .observe(started.elapsed().as_secs_f64());
-        }
-        r
-    }
-
-    pub async fn release_seat(
-        &self,
-        id: SessionId,
-        pool: PoolName,
-        token: Token,
-    ) -> Result<u64, BackendError> {
-        self.call(|reply| Command::ReleaseSeat {
-            id,
-            pool,
-            token,
-            reply,
-        })
-        .await
-    }
-
-    pub async fn enqueue(&self, job: NewJob) -> Result<(JobId, u64), BackendError> {
-        let id = JobId::random();
-        let revision = self
-            .call(|reply| Command::Enqueue { id, job, reply })
-            .await?;
-        Ok((id, revision))
-    }
-
-    /// Claims the oldest queued job, waiting up to `wait_ms` for one; `None` when none came.
-    pub async fn claim(
-        &self,
-        id: SessionId,
-        queue: QueueName,
-        wait_ms: u64,
-    ) -> Result<Option<Claimed>, BackendError> {
-        let started = std::time::Instant::now();
-        let deadline = self.wait_deadline(wait_ms);
-        let r = self
-            .call(|reply| Command::Claim {
-                id,
-                queue,
-                deadline,
-                reply,
-            })
-            .await;
-        if let Ok(Some(_)) = r {
-            self.shared
-                .metrics
-                .claim_wait_seconds
-                .observe(started.elapsed().as_secs_f64());
-        }
-        r
-    }
-
-    pub async fn finish_job(
-        &self,
-        id: SessionId,
-        job: JobId,
-        token: Token,
-        finish: Finish,
-    ) -> Result<u64, BackendError> {
-        self.call(|reply| Command::FinishJob {
-            id,
-            job,
-            token,
-            finish,
-            reply,
-        })
-        .await
-    }
-
-    pub async fn requeue(&self, job: JobId) -> Result<u64, BackendError> {
-        self.call(|reply| Command::Requeue { job, reply }).await
-    }
-
-    fn wait_deadline(&self, wait_ms: u64) -> Option<Mono> {
-        let wait = wait_ms.min(self.shared.config.max_wait_ms);
-        (wait > 0).then(|| self.shared.clock.now().plus_ms(wait))
-    }
-
-    /// A pool with its holders as committed and their liveness.
-    pub fn pool(&self, name: &PoolName) -> Result<Option<PoolInfo>, BackendError> {
-        self.vouch_for_liveness()?;
-        let Some(record) = self.shared.store.pool(name.as_str())? else {
-            return Ok(None);
-        };
-        let seats = self.shared.store.seats(name.as_str())?;
-        let now = self.shared.clock.now();
-        let wall = self.shared.clock.wall();
-        let state = self.shared.state.lock();
-        let waiting = self
-            .shared
-            .waiters
-            .lock()
-            .waiting(&Resource::Pool(name.clone()));
-        let holders = seats
-            .into_iter()
-            .map(|(sid, seat, session)| {
-                let live = state.session(sid, now);
-                SeatHolder {
-                    session_id: sid,
-                    owner: session.map(|s| s.owner).unwrap_or_default(),
-                    seat,
-                    last_heartbeat_at: live
-                        .as_ref()
-                        .map(|v| to_wall(v.last_heartbeat(), now, wall)),
-                    grace: live.as_ref().map(|v| v.in_grace(now)),
-                }
-            })
-            .collect::<Vec<_>>();
-        Ok(Some(PoolInfo {
-            capacity: record.capacity,
-            in_use: holders.len(),
-            waiting,
-            metadata: record.metadata,
-            created_at: record.created_at,
-            holders,
-        }))
-    }
-
-    /// Every pool: name, capacity, seats in use.
-    pub fn pools(&self) -> Result<Vec<(String, u32, usize)>, BackendError> {
-        self.vouch_for_liveness()?;
-        Ok(self
-            .shared
-            .state
-            .lock()
-            .pools()
-            .into_iter()
-            .map(|(n, c, u)| (n.to_string(), c, u))
-            .collect())
-    }
-
-    pub fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>, BackendError> {
-        Ok(self.shared.store.job(id)?)
-    }
-
-    pub fn queue(&self, name: &QueueName) -> Result<QueueInfo, BackendError> {
-        self.vouch_for_liveness()?;
-        let counts = self.shared.state.lock().queue_counts(name);
-        let waiting = self
-            .shared
-            .waiters
-            .lock()
-            .waiting(&Resource::Queue(name.clone()));
-        Ok(QueueInfo { counts, waiting })
-    }
-
-    /// Jobs of a queue in one state, a page at a time, and the cursor of the next page.
-    pub fn queue_jobs(
-        &self,
-        queue: &QueueName,
-        state: &JobStatus,
-        after: Option<JobId>,
-        limit: usize,
-    ) -> Result<JobPage, BackendError> {
-        let mut rows =
-            self.shared
-                .store
-                .jobs_in_state(queue.as_str(), state.code(), after, limit + 1)?;
-        let next = more(&mut rows, limit).map(|(id, _)| *id);
-        Ok((rows, next))
-    }
-
-    /// The current revision (what a read-only answer reports).
-    pub fn revision(&self) -> u64 {
-        self.shared.state.lock().revision()
     }
 }
 
@@ -725,7 +207,7 @@ impl Backend for Embedded {
     }
 
     async fn session(&self, id: SessionId) -> Result<Option<SessionInfo>, BackendError> {
-        Embedded::session(self, id)
+        Embedded::session(self, id).await
     }
 
     async fn sessions(

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Sender, bounded};
 use tokio::sync::oneshot;
 
-use super::Shared;
-use super::writer::{Command, PassSize};
+use super::commands::{Command, PassSize};
+use super::shared::Shared;
 use crate::domain::Mono;
 
 pub struct ReaperHandle {

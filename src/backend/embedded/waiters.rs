@@ -7,12 +7,9 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
-use tokio::sync::oneshot;
-
+use super::commands::{Pending, Reply, pend};
 use crate::backend::{BackendError, Claimed, Granted};
 use crate::domain::{LockKey, Mono, PoolName, QueueName, SessionId};
-
-pub type Reply<T> = oneshot::Sender<Result<T, BackendError>>;
 
 /// What a waiter waits for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -41,7 +38,16 @@ impl Want {
         }
     }
 
-    /// Answers with an error (shutdown, fail-stop, gone session).
+    /// Holds an error back until the batch that decided it has committed (see [`pend`]).
+    pub fn fail_later(self, pending: &mut Vec<Pending>, e: BackendError) {
+        match self {
+            Want::Lock(r) | Want::Seat { reply: r, .. } => pend(pending, r, Err(e)),
+            Want::Claim(r) => pend(pending, r, Err(e)),
+        }
+    }
+
+    /// Answers with an error at once: one that claims nothing about the state (shutdown,
+    /// fail-stop).
     pub fn fail(self, e: BackendError) {
         match self {
             Want::Lock(r) | Want::Seat { reply: r, .. } => {
@@ -160,6 +166,8 @@ impl Waiters {
 
 #[cfg(test)]
 mod tests {
+    use tokio::sync::oneshot;
+
     use super::*;
 
     fn lock(s: &str) -> Resource {

@@ -1,8 +1,33 @@
-//! Persistence. The embedded redb store is the only backend today; it owns the file
-//! format (`codec`), the table layout (`embedded`) and fault injection for tests (`fault`).
+//! Persistence for the embedded backend: one redb file in the data directory.
+//!
+//! Every write is one transaction with immediate durability (fsync) that also writes the
+//! counters, so a token is never acknowledged before the counter that issued it is durable.
+//! After any failed write the store refuses every later one (fail-stop).
+//!
+//! - `tables`: the table layout and the row helpers every reader shares;
+//! - `db`: the handle, opening the file and the fail-stop flag;
+//! - `load`: the start-up load; `write`: a [`Batch`] in one write transaction; `read`: point
+//!   and range reads; `check`: the integrity check;
+//! - [`codec`]: the file format of records; [`fault`]: fault injection for tests.
 
+mod check;
 pub mod codec;
-pub mod embedded;
+mod db;
+mod error;
 pub mod fault;
+mod load;
+mod read;
+mod tables;
+#[cfg(test)]
+mod tests;
+mod write;
 
-pub use embedded::{Batch, CheckReport, Store, StoreError};
+pub use crate::backend::CheckReport;
+pub use db::{DATA_FILE, Store};
+pub use error::StoreError;
+pub use write::{Batch, Committed};
+
+/// The data file's name under the path it was first published at.
+pub mod embedded {
+    pub use super::DATA_FILE;
+}

@@ -1,5 +1,10 @@
-//! The in-memory state of sessions, locks, seat pools and jobs, and the session and lock
-//! rules. Seat and job rules live in `pools` and `jobs`, as further `impl State` blocks.
+//! The aggregate: sessions, locks, the expiry index and the two durable counters, holding the
+//! pool table (`Pools`) and the job table (`Jobs`), with the rules that cross them.
+//!
+//! The session and lock rules live here, with the cascade: ending a session releases its
+//! locks, reclaims its seats and settles its jobs in one change set. The seat rules
+//! (`seats`) and the job rules (`queues`) are further `impl State` blocks: they decide who
+//! may take what, draw tokens and record events, and leave each table to keep itself in step.
 //!
 //! Invariants (checked by `check_invariants` in tests and by the model-based test):
 //! - every lock's, seat's and claimed job's holder is a session in `sessions`, and that
@@ -10,11 +15,18 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use super::change::{Change, EndReason, Event, EventKind, LockRecord, ReleasedLock, SessionRecord};
+mod queues;
+mod seats;
+#[cfg(test)]
+mod tests;
+
+use super::change::{
+    Change, EndReason, Event, EventKind, JobRecord, LockRecord, ReleasedLock, SessionRecord,
+};
 use super::ids::{JobId, LockKey, PoolName, QueueName, SessionId, Token};
-use super::jobs::{Job, JobOutcome, Queue};
+use super::jobs::{JobOutcome, Jobs};
 use super::limits::{InvalidInput, Limits};
-use super::pools::Pool;
+use super::pools::Pools;
 use super::time::{Mono, UnixMs};
 
 /// One reading of both clocks, taken once per batch.
@@ -49,19 +61,36 @@ impl Effects {
 }
 
 #[derive(Debug, Clone)]
-pub(super) struct Session {
-    pub(super) ttl_ms: u64,
-    pub(super) deadline: Mono,
+struct Session {
+    ttl_ms: u64,
+    deadline: Mono,
     /// The keys, pools and jobs this session holds. Short vectors: sessions hold few
     /// grants, and `max_locks_per_session` bounds the locks.
-    pub(super) locks: Vec<LockKey>,
-    pub(super) seats: Vec<PoolName>,
-    pub(super) jobs: Vec<JobId>,
+    locks: Vec<LockKey>,
+    seats: Vec<PoolName>,
+    jobs: Vec<JobId>,
 }
 
 impl Session {
-    pub(super) fn expired(&self, now: Mono) -> bool {
+    fn new(ttl_ms: u64, deadline: Mono) -> Session {
+        Session {
+            ttl_ms,
+            deadline,
+            locks: Vec::new(),
+            seats: Vec::new(),
+            jobs: Vec::new(),
+        }
+    }
+
+    fn expired(&self, now: Mono) -> bool {
         now >= self.deadline
+    }
+}
+
+/// Removes the first `item` from a session's short list of grants.
+fn unlist<T: PartialEq>(list: &mut Vec<T>, item: &T) {
+    if let Some(pos) = list.iter().position(|x| x == item) {
+        list.swap_remove(pos);
     }
 }
 
@@ -161,16 +190,13 @@ pub struct NotHolder;
 /// Sessions, locks, pools, jobs, the expiry index and the two durable counters.
 #[derive(Debug, Clone)]
 pub struct State {
-    pub(super) limits: Limits,
-    pub(super) sessions: HashMap<SessionId, Session>,
+    limits: Limits,
+    sessions: HashMap<SessionId, Session>,
     locks: HashMap<LockKey, Lock>,
     /// Ordered by deadline so the reaper finds due sessions in O(due), never by a scan.
     expiry: BTreeSet<(Mono, SessionId)>,
-    pub(super) pools: HashMap<PoolName, Pool>,
-    pub(super) jobs: HashMap<JobId, Job>,
-    pub(super) queues: HashMap<QueueName, Queue>,
-    /// Finished jobs by when they finished, for the retention purge.
-    pub(super) finished: BTreeSet<(UnixMs, JobId)>,
+    pools: Pools,
+    jobs: Jobs,
     /// The last revision issued. Every mutation takes the next one; tokens are revisions.
     revision: u64,
     /// The last audit sequence number issued.
@@ -186,7 +212,7 @@ pub struct Restore {
     pub locks: Vec<(LockKey, LockRecord)>,
     pub pools: Vec<(PoolName, u32)>,
     pub seats: Vec<(PoolName, SessionId, Token, UnixMs)>,
-    pub jobs: Vec<(JobId, super::change::JobRecord)>,
+    pub jobs: Vec<(JobId, JobRecord)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -212,10 +238,8 @@ impl State {
             sessions: HashMap::new(),
             locks: HashMap::new(),
             expiry: BTreeSet::new(),
-            pools: HashMap::new(),
-            jobs: HashMap::new(),
-            queues: HashMap::new(),
-            finished: BTreeSet::new(),
+            pools: Pools::default(),
+            jobs: Jobs::default(),
             revision: 0,
             event_seq: 0,
         }
@@ -231,16 +255,7 @@ impl State {
         state.sessions.reserve(from.sessions.len());
         for (id, ttl_ms) in from.sessions {
             let deadline = now.plus_ms(ttl_ms);
-            state.sessions.insert(
-                id,
-                Session {
-                    ttl_ms,
-                    deadline,
-                    locks: Vec::new(),
-                    seats: Vec::new(),
-                    jobs: Vec::new(),
-                },
-            );
+            state.sessions.insert(id, Session::new(ttl_ms, deadline));
             state.expiry.insert((deadline, id));
         }
         state.locks.reserve(from.locks.len());
@@ -267,7 +282,7 @@ impl State {
         Ok(state)
     }
 
-    pub(super) fn check_token(&self, what: String, token: Token) -> Result<(), RestoreError> {
+    fn check_token(&self, what: String, token: Token) -> Result<(), RestoreError> {
         if token.0 > self.revision {
             return Err(RestoreError::TokenAboveRevision {
                 what,
@@ -303,24 +318,19 @@ impl State {
         self.expiry.first().map(|(d, _)| *d)
     }
 
-    pub(super) fn next_revision(&mut self) -> u64 {
+    fn next_revision(&mut self) -> u64 {
         self.revision += 1;
         self.revision
     }
 
-    pub(super) fn event(&mut self, at: UnixMs, kind: EventKind) -> Event {
+    fn event(&mut self, at: UnixMs, kind: EventKind) -> Event {
         self.event_seq += 1;
         Event::new(self.event_seq, at, kind)
     }
 
     /// The live session `id`, or why not. A session past its deadline is ended inline
     /// (recorded as expired) so that every later call finds it gone, durably.
-    pub(super) fn live_or_end(
-        &mut self,
-        id: SessionId,
-        at: At,
-        fx: &mut Effects,
-    ) -> Result<(), Gone> {
+    fn live_or_end(&mut self, id: SessionId, at: At, fx: &mut Effects) -> Result<(), Gone> {
         match self.sessions.get(&id) {
             None => Err(Gone),
             Some(s) if s.expired(at.now) => {
@@ -329,6 +339,35 @@ impl State {
                 Err(Gone)
             }
             Some(_) => Ok(()),
+        }
+    }
+
+    /// Whether `id` is live at `at`, asked on a write path about to answer "gone": a session
+    /// past its deadline is ended inline (recorded as expired), so that once these changes
+    /// are committed the answer is durable.
+    pub fn live_or_end_expired(&mut self, id: SessionId, at: At, fx: &mut Effects) -> bool {
+        self.live_or_end(id, at, fx).is_ok()
+    }
+
+    /// Whether `id` is live at `now`, asked by a reader about to answer "gone".
+    ///
+    /// Reads change nothing a client can see, so a session past its deadline is not ended
+    /// here (that is the reaper's, or a contender's). It loses its restart grace instead: its
+    /// TTL, in memory and persisted, becomes 0, so that a restart, which gives every session
+    /// `now + ttl`, finds it due at once rather than reviving it. Once that change is
+    /// committed the answer "gone" holds across any restart. The TTL is not read again
+    /// while the process lives: past its deadline, the session can only be ended.
+    pub fn confirm_live(&mut self, id: SessionId, now: Mono, fx: &mut Effects) -> bool {
+        match self.sessions.get_mut(&id) {
+            None => false,
+            Some(s) if s.expired(now) => {
+                if s.ttl_ms != 0 {
+                    s.ttl_ms = 0;
+                    fx.changes.push(Change::SetSessionTtl { id, ttl_ms: 0 });
+                }
+                false
+            }
+            Some(_) => true,
         }
     }
 
@@ -353,16 +392,7 @@ impl State {
         );
         let revision = self.next_revision();
         let deadline = at.now.plus_ms(ttl_ms);
-        self.sessions.insert(
-            id,
-            Session {
-                ttl_ms,
-                deadline,
-                locks: Vec::new(),
-                seats: Vec::new(),
-                jobs: Vec::new(),
-            },
-        );
+        self.sessions.insert(id, Session::new(ttl_ms, deadline));
         self.expiry.insert((deadline, id));
         let mut event = self.event(at.wall, EventKind::SessionOpened);
         event.session_id = Some(id);
@@ -451,7 +481,7 @@ impl State {
         Some(self.end_unchecked(id, reason, at, fx))
     }
 
-    pub(super) fn end_unchecked(
+    fn end_unchecked(
         &mut self,
         id: SessionId,
         reason: EndReason,
@@ -605,10 +635,8 @@ impl State {
             _ => return Err(NotHolder),
         }
         self.locks.remove(key);
-        if let Some(session) = self.sessions.get_mut(&id)
-            && let Some(pos) = session.locks.iter().position(|k| k == key)
-        {
-            session.locks.swap_remove(pos);
+        if let Some(session) = self.sessions.get_mut(&id) {
+            unlist(&mut session.locks, key);
         }
         let revision = self.next_revision();
         fx.changes.push(Change::DeleteLock {
@@ -715,458 +743,12 @@ impl State {
                 return Err(format!("lock {key} has a token above the revision"));
             }
         }
-        self.check_pools()?;
-        self.check_jobs()?;
+        self.check_seats()?;
+        self.check_claims()?;
         Ok(())
     }
 }
 
 /// The caller's session is unknown, ended or past its deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Gone;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::domain::jobs::NewJob;
-
-    const WALL: UnixMs = UnixMs(1_700_000_000_000);
-
-    fn at(ms: u64) -> At {
-        At {
-            now: Mono(ms),
-            wall: UnixMs(WALL.0 + ms),
-        }
-    }
-
-    fn key(s: &str) -> LockKey {
-        LockKey::parse("key", s).unwrap()
-    }
-
-    fn open(state: &mut State, ttl: u64, now: u64) -> SessionId {
-        let id = SessionId::random();
-        state
-            .open(
-                id,
-                "test".into(),
-                Some(ttl),
-                String::new(),
-                at(now),
-                &mut Effects::default(),
-            )
-            .unwrap();
-        id
-    }
-
-    fn acquire(
-        state: &mut State,
-        id: SessionId,
-        k: &str,
-        now: u64,
-    ) -> Result<Acquired, AcquireError> {
-        state.acquire(id, &key(k), at(now), &mut Effects::default())
-    }
-
-    #[test]
-    fn open_persists_record_and_event() {
-        let mut state = State::new(Limits::default());
-        let mut fx = Effects::default();
-        let id = SessionId::random();
-        let opened = state
-            .open(id, "alice".into(), None, "{}".into(), at(0), &mut fx)
-            .unwrap();
-        assert_eq!(opened.ttl_ms, 15_000);
-        assert_eq!(opened.deadline, Mono(15_000));
-        assert_eq!(opened.revision, 1);
-        assert!(matches!(fx.changes[0], Change::PutSession { .. }));
-        assert!(
-            matches!(&fx.changes[1], Change::Event(e) if e.kind == EventKind::SessionOpened && e.seq == 1)
-        );
-    }
-
-    #[test]
-    fn open_rejects_bad_input_and_changes_nothing() {
-        let mut state = State::new(Limits::default());
-        let mut fx = Effects::default();
-        let cases = [
-            ("", Some(5_000), "", "owner"),
-            ("a", Some(10), "", "ttl_ms"),
-            ("a", None, "[1]", "metadata"),
-        ];
-        for (owner, ttl, meta, field) in cases {
-            let err = state
-                .open(
-                    SessionId::random(),
-                    owner.into(),
-                    ttl,
-                    meta.into(),
-                    at(0),
-                    &mut fx,
-                )
-                .unwrap_err();
-            assert_eq!(err.field, field);
-        }
-        assert!(fx.changes.is_empty());
-        assert_eq!(state.revision(), 0);
-        assert_eq!(state.session_count(), 0);
-    }
-
-    #[test]
-    fn heartbeat_extends_and_gone_is_terminal_and_durable() {
-        let mut state = State::new(Limits::default());
-        let id = open(&mut state, 1_000, 0);
-        let beat = state
-            .heartbeat(id, None, at(999), &mut Effects::default())
-            .unwrap();
-        assert_eq!(beat.deadline, Mono(1_999));
-        // At the deadline the session is gone, and the answer is made durable: the session
-        // is ended in the same change set, so no restart can bring it back.
-        let mut fx = Effects::default();
-        assert_eq!(
-            state.heartbeat(id, None, at(1_999), &mut fx),
-            Err(HeartbeatError::Gone)
-        );
-        assert!(
-            fx.changes
-                .iter()
-                .any(|c| matches!(c, Change::DeleteSession { .. }))
-        );
-        assert_eq!(fx.ended.len(), 1);
-        assert_eq!(fx.ended[0].reason, EndReason::Expired);
-        assert_eq!(
-            state.heartbeat(id, None, at(1_999), &mut Effects::default()),
-            Err(HeartbeatError::Gone)
-        );
-        // A gone session with a bad TTL is still just gone.
-        assert_eq!(
-            state.heartbeat(id, Some(1), at(2_001), &mut Effects::default()),
-            Err(HeartbeatError::Gone)
-        );
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn heartbeat_with_new_ttl_is_persisted() {
-        let mut state = State::new(Limits::default());
-        let id = open(&mut state, 1_000, 0);
-        let mut fx = Effects::default();
-        let beat = state.heartbeat(id, Some(5_000), at(500), &mut fx).unwrap();
-        assert_eq!(beat.deadline, Mono(5_500));
-        assert_eq!(
-            fx.changes,
-            vec![Change::SetSessionTtl { id, ttl_ms: 5_000 }]
-        );
-        // The same TTL again changes nothing durable.
-        let mut fx = Effects::default();
-        state.heartbeat(id, Some(5_000), at(600), &mut fx).unwrap();
-        assert!(fx.changes.is_empty());
-        assert!(matches!(
-            state.heartbeat(id, Some(1), at(700), &mut fx),
-            Err(HeartbeatError::Invalid(_))
-        ));
-        assert!(state.is_live(id, Mono(700)));
-        assert!(!state.is_live(id, Mono(5_600)));
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn acquire_is_exclusive_idempotent_and_fenced() {
-        let mut state = State::new(Limits::default());
-        let a = open(&mut state, 10_000, 0);
-        let b = open(&mut state, 10_000, 0);
-        let first = acquire(&mut state, a, "k", 1).unwrap();
-        assert!(first.fresh);
-        let again = acquire(&mut state, a, "k", 2).unwrap();
-        assert_eq!(again.token, first.token);
-        assert!(!again.fresh);
-        assert_eq!(
-            acquire(&mut state, b, "k", 3),
-            Err(AcquireError::Held {
-                holder: a,
-                token: first.token
-            })
-        );
-        let mut fx = Effects::default();
-        state
-            .release(a, &key("k"), first.token, at(4), &mut fx)
-            .unwrap();
-        assert_eq!(fx.freed_locks, vec![key("k")]);
-        let second = acquire(&mut state, b, "k", 4).unwrap();
-        assert!(second.token > first.token);
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn release_needs_live_holder_and_exact_token() {
-        let mut state = State::new(Limits::default());
-        let a = open(&mut state, 10_000, 0);
-        let b = open(&mut state, 10_000, 0);
-        let got = acquire(&mut state, a, "k", 1).unwrap();
-        let mut fx = Effects::default();
-        assert_eq!(
-            state.release(b, &key("k"), got.token, at(2), &mut fx),
-            Err(NotHolder)
-        );
-        assert_eq!(
-            state.release(a, &key("k"), Token(got.token.0 - 1), at(2), &mut fx),
-            Err(NotHolder)
-        );
-        assert_eq!(
-            state.release(a, &key("free"), got.token, at(2), &mut fx),
-            Err(NotHolder)
-        );
-        assert!(fx.changes.is_empty());
-        assert!(
-            state
-                .release(a, &key("k"), got.token, at(2), &mut fx)
-                .is_ok()
-        );
-        assert_eq!(
-            state.release(a, &key("k"), got.token, at(2), &mut Effects::default()),
-            Err(NotHolder)
-        );
-        // Past its deadline a holder no longer holds anything: it is ended, not released.
-        let c = open(&mut state, 1_000, 0);
-        let got = acquire(&mut state, c, "k", 1).unwrap();
-        let mut fx = Effects::default();
-        assert_eq!(
-            state.release(c, &key("k"), got.token, at(1_000), &mut fx),
-            Err(NotHolder)
-        );
-        assert_eq!(fx.ended.len(), 1);
-        assert_eq!(fx.ended[0].released, vec![(key("k"), got.token)]);
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn expired_holder_is_ended_inline_for_a_contender() {
-        let mut state = State::new(Limits::default());
-        let a = open(&mut state, 1_000, 0);
-        let b = open(&mut state, 10_000, 0);
-        let old = acquire(&mut state, a, "k", 1).unwrap();
-        assert!(matches!(
-            acquire(&mut state, b, "k", 999),
-            Err(AcquireError::Held { .. })
-        ));
-        let mut fx = Effects::default();
-        let got = state.acquire(b, &key("k"), at(1_000), &mut fx).unwrap();
-        assert!(got.token > old.token);
-        assert_eq!(fx.ended.len(), 1);
-        assert_eq!(fx.ended[0].id, a);
-        assert_eq!(fx.ended[0].reason, EndReason::Expired);
-        assert_eq!(fx.ended[0].released, vec![(key("k"), old.token)]);
-        // The contender takes the key in the same change set; it is not offered to waiters.
-        assert!(fx.freed_locks.is_empty());
-        assert!(matches!(fx.changes[0], Change::DeleteLock { .. }));
-        assert!(matches!(fx.changes[1], Change::DeleteSession { .. }));
-        assert!(matches!(fx.changes[3], Change::PutLock { .. }));
-        assert!(state.session(a, Mono(1_000)).is_none());
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn expired_session_cannot_acquire() {
-        let mut state = State::new(Limits::default());
-        let a = open(&mut state, 1_000, 0);
-        let mut fx = Effects::default();
-        let r = state.acquire(a, &key("k"), at(1_000), &mut fx);
-        assert_eq!(r, Err(AcquireError::SessionGone));
-        assert_eq!(fx.ended.len(), 1);
-        assert_eq!(state.session_count(), 0);
-        assert!(acquire(&mut state, SessionId::random(), "k", 0).is_err());
-    }
-
-    #[test]
-    fn end_cascades_and_reports_reason() {
-        let mut state = State::new(Limits::default());
-        let a = open(&mut state, 10_000, 0);
-        for k in ["x", "y", "z"] {
-            acquire(&mut state, a, k, 1).unwrap();
-        }
-        let mut fx = Effects::default();
-        let ended = state.end(a, EndReason::Closed, at(5), &mut fx).unwrap();
-        assert_eq!(ended.released.len(), 3);
-        assert_eq!(ended.reason, EndReason::Closed);
-        assert_eq!(state.lock_count(), 0);
-        assert_eq!(
-            fx.changes
-                .iter()
-                .filter(|c| matches!(c, Change::DeleteLock { .. }))
-                .count(),
-            3
-        );
-        assert_eq!(fx.freed_locks.len(), 3);
-        assert!(state.end(a, EndReason::Closed, at(6), &mut fx).is_none());
-        // Closing after the deadline is recorded as the expiry it was.
-        let b = open(&mut state, 1_000, 0);
-        let ended = state.end(b, EndReason::Closed, at(1_000), &mut fx).unwrap();
-        assert_eq!(ended.reason, EndReason::Expired);
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn reap_takes_due_sessions_in_deadline_order_and_bounded() {
-        let mut state = State::new(Limits::default());
-        let ids: Vec<_> = (0..5)
-            .map(|i| open(&mut state, 1_000 + i * 100, 0))
-            .collect();
-        let live = open(&mut state, 60_000, 0);
-        assert_eq!(state.due(Mono(1_250), 100).len(), 3);
-        let mut fx = Effects::default();
-        let ended = state.reap(at(10_000), 2, &mut fx);
-        assert_eq!(ended.iter().map(|e| e.id).collect::<Vec<_>>(), ids[..2]);
-        let ended = state.reap(at(10_000), 100, &mut fx);
-        assert_eq!(ended.iter().map(|e| e.id).collect::<Vec<_>>(), ids[2..]);
-        assert!(state.session(live, Mono(10_000)).is_some());
-        assert_eq!(state.earliest_deadline(), Some(Mono(60_000)));
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn too_many_locks_is_refused() {
-        let limits = Limits {
-            max_locks_per_session: 2,
-            ..Limits::default()
-        };
-        let mut state = State::new(limits);
-        let a = open(&mut state, 10_000, 0);
-        acquire(&mut state, a, "1", 0).unwrap();
-        acquire(&mut state, a, "2", 0).unwrap();
-        assert_eq!(
-            acquire(&mut state, a, "3", 0),
-            Err(AcquireError::TooManyLocks(2))
-        );
-        // Re-acquiring one it holds is still fine.
-        assert!(acquire(&mut state, a, "1", 0).is_ok());
-    }
-
-    #[test]
-    fn grace_after_a_third_of_the_ttl() {
-        let mut state = State::new(Limits::default());
-        let a = open(&mut state, 3_000, 0);
-        assert!(!state.session(a, Mono(1_000)).unwrap().in_grace(Mono(1_000)));
-        assert!(state.session(a, Mono(1_001)).unwrap().in_grace(Mono(1_001)));
-    }
-
-    #[test]
-    fn ending_a_session_settles_seats_and_jobs_in_the_same_change_set() {
-        let mut state = State::new(Limits::default());
-        let mut fx = Effects::default();
-        let pool = key("licences");
-        state
-            .put_pool(&pool, 1, String::new(), None, at(0), &mut fx)
-            .unwrap();
-        let queue = key("builds");
-        let job = crate::domain::JobId::random();
-        let new = |idempotent| NewJob {
-            queue: queue.clone(),
-            payload: "{}".into(),
-            idempotent,
-            max_recoveries: Some(1),
-            kind: None,
-        };
-        state.enqueue(job, new(true), at(0), &mut fx).unwrap();
-        let a = open(&mut state, 1_000, 0);
-        state
-            .acquire_seat(a, &pool, String::new(), at(1), &mut fx)
-            .unwrap();
-        let claim = state.claim(a, &queue, at(1), &mut fx).unwrap().unwrap();
-        assert_eq!(claim.job, job);
-        let mut fx = Effects::default();
-        let ended = state.reap(at(1_000), 10, &mut fx);
-        assert_eq!(ended[0].seats.len(), 1);
-        assert_eq!(
-            ended[0].jobs,
-            vec![(job, JobOutcome::Recovered { recovery_count: 1 })]
-        );
-        assert_eq!(fx.freed_pools, vec![pool.clone()]);
-        assert_eq!(fx.ready_queues, vec![queue.clone()]);
-        assert!(state.pool_has_room(&pool));
-        // The old claim's token is stale now.
-        let b = open(&mut state, 10_000, 1_000);
-        let mut fx = Effects::default();
-        assert_eq!(
-            state.finish_job(
-                a,
-                job,
-                claim.token,
-                crate::domain::Finish::Complete {
-                    result: String::new()
-                },
-                at(1_001),
-                &mut fx
-            ),
-            Err(crate::domain::JobError::StaleToken)
-        );
-        let again = state.claim(b, &queue, at(1_001), &mut fx).unwrap().unwrap();
-        assert_eq!(again.recovery_count, 1);
-        assert_eq!(again.attempt, 2);
-        // At the cap, the next orphaning fails the job.
-        let ended = state.end(b, EndReason::Admin, at(1_002), &mut fx).unwrap();
-        assert_eq!(
-            ended.jobs,
-            vec![(
-                job,
-                JobOutcome::Failed {
-                    reason: "max_recoveries_exceeded".into()
-                }
-            )]
-        );
-        state.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn restore_gives_every_session_a_fresh_ttl_and_rejects_orphans() {
-        let id = SessionId::random();
-        let record = LockRecord {
-            session_id: id,
-            token: Token(7),
-            acquired_at: WALL,
-        };
-        let state = State::restore(
-            Limits::default(),
-            Restore {
-                revision: 9,
-                event_seq: 3,
-                sessions: vec![(id, 2_000)],
-                locks: vec![(key("k"), record.clone())],
-                ..Restore::default()
-            },
-            Mono(50_000),
-        )
-        .unwrap();
-        assert_eq!(
-            state.session(id, Mono(51_999)).unwrap().deadline,
-            Mono(52_000)
-        );
-        assert_eq!(state.revision(), 9);
-        state.check_invariants().unwrap();
-
-        let orphan = State::restore(
-            Limits::default(),
-            Restore {
-                revision: 9,
-                event_seq: 3,
-                locks: vec![(key("k"), record.clone())],
-                ..Restore::default()
-            },
-            Mono(0),
-        );
-        assert!(matches!(orphan, Err(RestoreError::Orphan { .. })));
-        let above = State::restore(
-            Limits::default(),
-            Restore {
-                revision: 6,
-                event_seq: 3,
-                sessions: vec![(id, 2_000)],
-                locks: vec![(key("k"), record)],
-                ..Restore::default()
-            },
-            Mono(0),
-        );
-        assert!(matches!(
-            above,
-            Err(RestoreError::TokenAboveRevision { .. })
-        ));
-    }
-}
+struct Gone;

@@ -1,0 +1,119 @@
+//! The store's handle: the redb database in the data directory, opened (optionally on a
+//! backend whose writes can be made to fail), and the fail-stop flag.
+//!
+//! After any failed write the store refuses every later one (fail-stop): a retry could
+//! acknowledge something a torn commit lost.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable};
+
+use super::error::StoreError;
+use super::fault::{FaultSwitch, FaultyBackend};
+use super::tables::{self, META, META_SCHEMA, SCHEMA_VERSION};
+
+/// The file inside the data directory.
+pub const DATA_FILE: &str = "leasehold.redb";
+
+pub struct Store {
+    pub(super) db: Database,
+    path: PathBuf,
+    /// Set by the first failed write; never cleared while the process lives.
+    pub(super) failed: AtomicBool,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("path", &self.path).finish()
+    }
+}
+
+impl Store {
+    /// Opens (or creates) the store in `dir`, with a page cache of `cache_bytes`.
+    pub fn open(dir: &Path, cache_bytes: usize) -> Result<Store, StoreError> {
+        let path = prepare_dir(dir)?;
+        let db = redb::Builder::new()
+            .set_cache_size(cache_bytes)
+            .create(&path)
+            .map_err(StoreError::redb)?;
+        Store::init(db, path)
+    }
+
+    /// Opens the store on a backend whose writes can be made to fail, for fail-stop tests.
+    pub fn open_with_faults(
+        dir: &Path,
+        cache_bytes: usize,
+    ) -> Result<(Store, FaultSwitch), StoreError> {
+        let path = prepare_dir(dir)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|source| StoreError::DataDir {
+                path: path.clone(),
+                source,
+            })?;
+        let switch = FaultSwitch::default();
+        let backend = FaultyBackend::new(file, switch.clone()).map_err(StoreError::redb)?;
+        let db = redb::Builder::new()
+            .set_cache_size(cache_bytes)
+            .create_with_backend(backend)
+            .map_err(StoreError::redb)?;
+        Ok((Store::init(db, path)?, switch))
+    }
+
+    fn init(db: Database, path: PathBuf) -> Result<Store, StoreError> {
+        let txn = db.begin_write().map_err(StoreError::redb)?;
+        {
+            let mut meta = txn.open_table(META).map_err(StoreError::redb)?;
+            let schema = meta
+                .get(META_SCHEMA)
+                .map_err(StoreError::redb)?
+                .map(|v| v.value());
+            match schema {
+                None => {
+                    meta.insert(META_SCHEMA, SCHEMA_VERSION)
+                        .map_err(StoreError::redb)?;
+                }
+                Some(SCHEMA_VERSION) => {}
+                Some(found) => {
+                    return Err(StoreError::Schema {
+                        found,
+                        reads: SCHEMA_VERSION,
+                    });
+                }
+            }
+            tables::create_all(&txn)?;
+        }
+        txn.commit().map_err(StoreError::redb)?;
+        Ok(Store {
+            db,
+            path,
+            failed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// True once a write has failed: readiness is false and every write is refused.
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    pub(super) fn read(&self) -> Result<ReadTransaction, StoreError> {
+        self.db.begin_read().map_err(StoreError::redb)
+    }
+}
+
+fn prepare_dir(dir: &Path) -> Result<PathBuf, StoreError> {
+    std::fs::create_dir_all(dir).map_err(|source| StoreError::DataDir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    Ok(dir.join(DATA_FILE))
+}

@@ -1,0 +1,41 @@
+//! The store's one error type.
+
+use std::path::PathBuf;
+
+use super::codec::CodecError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("storage: {0}")]
+    Redb(#[from] redb::Error),
+    #[error("cannot use data directory {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("corrupt {table} record: {source}")]
+    Corrupt {
+        table: &'static str,
+        source: CodecError,
+    },
+    #[error("stored lock key {key:?} breaks a rule: {rule}")]
+    BadKey { key: String, rule: String },
+    #[error("data file has schema {found}, this build reads schema {reads}")]
+    Schema { found: u64, reads: u64 },
+    #[error("revision would go back from {stored} to {new}")]
+    RevisionWentBack { stored: u64, new: u64 },
+    #[error("the audit event counter would go back from {stored} to {new}")]
+    EventSeqWentBack { stored: u64, new: u64 },
+    #[error("audit event {seq} is already written; it is never replaced")]
+    EventExists { seq: u64 },
+    #[error("audit event {seq} is above the event counter {counter} written with it")]
+    EventAboveCounter { seq: u64, counter: u64 },
+    #[error("an earlier write failed; the store refuses writes until the server restarts")]
+    Failed,
+}
+
+impl StoreError {
+    pub(super) fn redb(e: impl Into<redb::Error>) -> StoreError {
+        StoreError::Redb(e.into())
+    }
+}

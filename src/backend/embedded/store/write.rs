@@ -1,0 +1,283 @@
+//! Writing: one `Batch` of changes in one write transaction with immediate durability
+//! (fsync), together with the counters, so a token is never acknowledged before the counter
+//! that issued it is durable.
+
+use std::sync::atomic::Ordering;
+
+use redb::{ReadableTable, WriteTransaction};
+
+use super::codec;
+use super::db::Store;
+use super::error::StoreError;
+use super::tables::{
+    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS,
+    SEATS, SESSION_JOBS, SESSION_LOCKS, SESSION_SEATS, SESSIONS, SESSIONS_BY_OWNER, corrupt,
+    counter,
+};
+use crate::domain::{Change, Event, JobRecord, JobStatus, SessionRecord, UnixMs};
+
+/// One transaction's worth of writes.
+pub struct Batch<'a> {
+    pub changes: &'a [Change],
+    /// The counters as they stand after `changes`.
+    pub revision: u64,
+    pub event_seq: u64,
+    /// Trim audit events older than this, at most `limit` of them.
+    pub trim_events: Option<(UnixMs, usize)>,
+}
+
+/// What a commit did besides the changes themselves.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Committed {
+    pub events_trimmed: usize,
+}
+
+impl Store {
+    /// Writes one batch in one transaction and fsyncs it. Nothing may be acknowledged before
+    /// this returns `Ok`.
+    pub fn commit(&self, batch: &Batch<'_>) -> Result<Committed, StoreError> {
+        if self.failed() {
+            return Err(StoreError::Failed);
+        }
+        let result = self.write_batch(batch);
+        if result.is_err() {
+            self.failed.store(true, Ordering::SeqCst);
+        }
+        result
+    }
+
+    fn write_batch(&self, batch: &Batch<'_>) -> Result<Committed, StoreError> {
+        let txn = self.db.begin_write().map_err(StoreError::redb)?;
+        let committed = apply(&txn, batch)?;
+        txn.commit().map_err(StoreError::redb)?;
+        Ok(committed)
+    }
+}
+
+/// Removes a job record's index entries, before it is rewritten or deleted.
+fn unindex_job(
+    by_state: &mut redb::Table<(&str, u8, u128), ()>,
+    session_jobs: &mut redb::Table<(u128, u128), ()>,
+    id: u128,
+    old: &JobRecord,
+) -> Result<(), StoreError> {
+    by_state
+        .remove((old.queue.as_str(), old.status.code(), id))
+        .map_err(StoreError::redb)?;
+    if let JobStatus::Claimed { session_id, .. } = &old.status {
+        session_jobs
+            .remove((session_id.as_u128(), id))
+            .map_err(StoreError::redb)?;
+    }
+    Ok(())
+}
+
+fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreError> {
+    let mut meta = txn.open_table(META).map_err(StoreError::redb)?;
+    let mut sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    let mut by_owner = txn
+        .open_table(SESSIONS_BY_OWNER)
+        .map_err(StoreError::redb)?;
+    let mut locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+    let mut index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+    let mut events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+    let mut pools = txn.open_table(POOLS).map_err(StoreError::redb)?;
+    let mut seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
+    let mut session_seats = txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
+    let mut jobs = txn.open_table(JOBS).map_err(StoreError::redb)?;
+    let mut payloads = txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
+    let mut by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
+    let mut session_jobs = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
+
+    for change in batch.changes {
+        match change {
+            Change::PutSession { id, record } => {
+                let id = id.as_u128();
+                sessions
+                    .insert(id, codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                by_owner
+                    .insert((record.owner.as_str(), id), ())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::SetSessionTtl { id, ttl_ms } => {
+                let found = sessions
+                    .get(id.as_u128())
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<SessionRecord>(b.value()));
+                if let Some(record) = found {
+                    let mut record = record.map_err(corrupt("session"))?;
+                    record.ttl_ms = *ttl_ms;
+                    sessions
+                        .insert(id.as_u128(), codec::encode(&record).as_slice())
+                        .map_err(StoreError::redb)?;
+                }
+            }
+            Change::DeleteSession { id } => {
+                let removed = sessions
+                    .remove(id.as_u128())
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<SessionRecord>(b.value()));
+                if let Some(record) = removed {
+                    let record = record.map_err(corrupt("session"))?;
+                    by_owner
+                        .remove((record.owner.as_str(), id.as_u128()))
+                        .map_err(StoreError::redb)?;
+                }
+            }
+            Change::PutLock { key, record } => {
+                locks
+                    .insert(key.as_str(), codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                index
+                    .insert((record.session_id.as_u128(), key.as_str()), ())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::DeleteLock { key, session_id } => {
+                locks.remove(key.as_str()).map_err(StoreError::redb)?;
+                index
+                    .remove((session_id.as_u128(), key.as_str()))
+                    .map_err(StoreError::redb)?;
+            }
+            Change::PutPool { name, record } => {
+                pools
+                    .insert(name.as_str(), codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::DeletePool { name } => {
+                pools.remove(name.as_str()).map_err(StoreError::redb)?;
+            }
+            Change::PutSeat {
+                pool,
+                session_id,
+                record,
+            } => {
+                let sid = session_id.as_u128();
+                seats
+                    .insert((pool.as_str(), sid), codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                session_seats
+                    .insert((sid, pool.as_str()), ())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::DeleteSeat { pool, session_id } => {
+                let sid = session_id.as_u128();
+                seats
+                    .remove((pool.as_str(), sid))
+                    .map_err(StoreError::redb)?;
+                session_seats
+                    .remove((sid, pool.as_str()))
+                    .map_err(StoreError::redb)?;
+            }
+            Change::PutJob {
+                id,
+                record,
+                payload,
+            } => {
+                let id = id.as_u128();
+                let old = jobs
+                    .get(id)
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<JobRecord>(b.value()));
+                if let Some(old) = old {
+                    unindex_job(
+                        &mut by_state,
+                        &mut session_jobs,
+                        id,
+                        &old.map_err(corrupt("job"))?,
+                    )?;
+                }
+                jobs.insert(id, codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+                by_state
+                    .insert((record.queue.as_str(), record.status.code(), id), ())
+                    .map_err(StoreError::redb)?;
+                if let JobStatus::Claimed { session_id, .. } = &record.status {
+                    session_jobs
+                        .insert((session_id.as_u128(), id), ())
+                        .map_err(StoreError::redb)?;
+                }
+                if let Some(payload) = payload {
+                    payloads
+                        .insert(id, codec::encode(payload).as_slice())
+                        .map_err(StoreError::redb)?;
+                }
+            }
+            Change::DeleteJob { id, .. } => {
+                let id = id.as_u128();
+                let old = jobs
+                    .remove(id)
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<JobRecord>(b.value()));
+                if let Some(old) = old {
+                    unindex_job(
+                        &mut by_state,
+                        &mut session_jobs,
+                        id,
+                        &old.map_err(corrupt("job"))?,
+                    )?;
+                }
+                payloads.remove(id).map_err(StoreError::redb)?;
+            }
+            Change::Event(event) => {
+                // A sequence number is issued once: an event above the counter written with
+                // it, or over one already written, is a bug that would lose an audit record.
+                if event.seq > batch.event_seq {
+                    return Err(StoreError::EventAboveCounter {
+                        seq: event.seq,
+                        counter: batch.event_seq,
+                    });
+                }
+                let replaced = events
+                    .insert(event.seq, codec::encode(event).as_slice())
+                    .map_err(StoreError::redb)?
+                    .is_some();
+                if replaced {
+                    return Err(StoreError::EventExists { seq: event.seq });
+                }
+            }
+        }
+    }
+
+    // The counters only ratchet up: a lower value here is a bug that would reissue tokens
+    // or sequence numbers.
+    let stored = counter(&meta, META_REVISION)?;
+    if batch.revision < stored {
+        return Err(StoreError::RevisionWentBack {
+            stored,
+            new: batch.revision,
+        });
+    }
+    let stored = counter(&meta, META_EVENT_SEQ)?;
+    if batch.event_seq < stored {
+        return Err(StoreError::EventSeqWentBack {
+            stored,
+            new: batch.event_seq,
+        });
+    }
+    meta.insert(META_REVISION, batch.revision)
+        .map_err(StoreError::redb)?;
+    meta.insert(META_EVENT_SEQ, batch.event_seq)
+        .map_err(StoreError::redb)?;
+
+    let mut committed = Committed::default();
+    if let Some((before, limit)) = batch.trim_events {
+        let mut old = Vec::new();
+        for row in events.iter().map_err(StoreError::redb)? {
+            if old.len() == limit {
+                break;
+            }
+            let (seq, bytes) = row.map_err(StoreError::redb)?;
+            let event: Event = codec::decode(bytes.value()).map_err(corrupt("event"))?;
+            if event.at >= before {
+                break;
+            }
+            old.push(seq.value());
+        }
+        for seq in &old {
+            events.remove(*seq).map_err(StoreError::redb)?;
+        }
+        committed.events_trimmed = old.len();
+    }
+    Ok(committed)
+}
