@@ -32,11 +32,14 @@ rev AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
 ended AS MATERIALIZED (
     SELECT id, ctid, reason, row_number() OVER () AS n FROM target
 ),
+-- Looked up through the session indexes: a join would scan every lock and seat per batch.
 locks AS MATERIALIZED (
-    SELECT l.session_id, l.key, l.token FROM {ns}.lock l JOIN ended e ON l.session_id = e.id
+    SELECT session_id, key, token FROM {ns}.lock
+    WHERE session_id = ANY (ARRAY(SELECT id FROM ended))
 ),
 seats AS MATERIALIZED (
-    SELECT st.session_id, st.pool, st.token FROM {ns}.seat st JOIN ended e ON st.session_id = e.id
+    SELECT session_id, pool, token FROM {ns}.seat
+    WHERE session_id = ANY (ARRAY(SELECT id FROM ended))
 ),
 jobs AS (
     UPDATE {ns}.job j SET
