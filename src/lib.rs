@@ -17,6 +17,10 @@
 //!   the replies), FIFO waiters for locks, seats and jobs, the reaper (sleeps until the
 //!   earliest deadline, ends due sessions in bounded batches), and the handle the API calls.
 //!   Plain heartbeats touch memory only; reads come from redb read transactions.
+//! - [`backend`]: the seam the engine dispatches to: the embedded backend above, or
+//!   PostgreSQL shared by several nodes (`backend::postgres`: one transaction per
+//!   operation, the database clock, a set-based reaper one node at a time, audit numbers
+//!   given after commit, node-local waiting lines woken by notifications).
 //! - [`api`]: HTTP routes, one file per resource, and the one error → status mapping.
 //! - [`server`]: the hyper accept loop with header-read and idle timeouts, a connection
 //!   cap and a graceful drain.

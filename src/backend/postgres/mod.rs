@@ -70,7 +70,7 @@ use crate::domain::{
 use crate::engine::EngineConfig;
 use crate::engine::waiting::{Resource, Waiting};
 use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
-pub use errors::{PgError, redact};
+pub use errors::{PgError, chain, redact};
 pub use schema::MigrateError;
 use sessions::Ended;
 
@@ -107,7 +107,8 @@ impl PgSettings {
             "-c statement_timeout={} -c idle_in_transaction_session_timeout={idle_in_tx} -c jit=off",
             self.statement_timeout_ms
         ));
-        pg.application_name("leasehold");
+        // Names the namespace, so an operator can tell which service a connection serves.
+        pg.application_name(format!("leasehold/{}", self.namespace));
         if pg.get_connect_timeout().is_none() {
             pg.connect_timeout(Duration::from_secs(3));
         }

@@ -874,3 +874,88 @@ async fn reaper_keeps_up_with_a_plain_cascading_delete() {
     );
     assert!(ratio < 1.5, "the reaper took {ratio:.2}x the plain delete");
 }
+
+/// PostgreSQL restarting drops every connection: requests in flight fail as unavailable
+/// (never a wrong answer), the pool reconnects, and the node serves again on its own.
+#[tokio::test]
+async fn lost_connections_are_unavailable_then_reconnected() {
+    let h = Harness::start().await;
+    let id = h.open(60_000).await;
+    let g = h.pg.acquire(id, key("k"), 0).await.unwrap();
+    h.admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("leasehold/{}", h.schema.0)],
+        )
+        .await
+        .unwrap();
+    // Every answer is either right or unavailable; within a few tries the pool has new
+    // connections and the answers are right again.
+    let mut served = false;
+    for _ in 0..50 {
+        match h.pg.fence(&key("k"), g.token).await {
+            Ok(f) => {
+                assert!(f.current);
+                served = true;
+                break;
+            }
+            Err(BackendError::Unavailable(_)) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(served);
+    assert_eq!(
+        h.pg.acquire(id, key("k"), 0).await.unwrap().token,
+        g.token,
+        "the grant survived"
+    );
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while !h.pg.ready() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap();
+    h.stop();
+}
+
+/// A statement that waits past statement_timeout is cancelled by the server: the client is
+/// told the backend is unavailable (the outcome of a mutation unknown), and nothing hangs.
+#[tokio::test]
+async fn a_statement_past_its_timeout_is_unavailable() {
+    let schema = Schema::new();
+    let clock = ManualClock::new(UnixMs(0));
+    let pg = Postgres::start(
+        config(),
+        PgSettings {
+            statement_timeout_ms: 300,
+            ..settings(&schema.0)
+        },
+        Arc::new(clock),
+        Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap();
+    let id = pg.open("a".into(), Some(60_000), None).await.unwrap().id;
+    let mut admin = connect().await;
+    let tx = admin.transaction().await.unwrap();
+    tx.execute(
+        &format!(
+            "SELECT 1 FROM \"{}\".session WHERE id = $1 FOR UPDATE",
+            schema.0
+        ),
+        &[&id.0],
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let r = pg.heartbeat(id, None).await;
+    assert!(matches!(&r, Err(e) if e.is_outcome_unknown()), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    tx.rollback().await.unwrap();
+    assert!(pg.heartbeat(id, None).await.is_ok());
+    assert!(pg.ready());
+    pg.shutdown();
+}
