@@ -12,8 +12,8 @@ use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
 use crate::engine::waiting::Resource;
 
 /// Ends the sessions `{source}` selects (`id`, `ctid`, `reason`), already locked `FOR UPDATE` by
-/// that select, in one statement: the statement draws one revision (it is one mutation,
-/// however many sessions it ends); their claimed jobs go back to the head of their queue
+/// that select, in one statement: the statement draws one revision if it ends any (it is
+/// one mutation, however many sessions it ends); their claimed jobs go back to the head of their queue
 /// (idempotent, under the cap: `recovery_count + 1`) or fail (`max_recoveries_exceeded`,
 /// `not_idempotent`); their events are written in the embedded backend's order (per
 /// session: seats reclaimed, jobs settled, then the end with the locks released); and their
@@ -28,7 +28,9 @@ use crate::engine::waiting::Resource;
 /// many to list: everyone is woken instead.
 const END: &str = r#"
 WITH target AS MATERIALIZED ({source}),
-rev AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
+rev AS MATERIALIZED (
+    SELECT nextval('{ns}.revision') AS revision FROM (SELECT 1 FROM target LIMIT 1) AS found
+),
 ended AS MATERIALIZED (
     SELECT id, ctid, reason, row_number() OVER () AS n FROM target
 ),
@@ -99,7 +101,7 @@ counts AS MATERIALIZED (
 SELECT count(*) FILTER (WHERE e.reason = 'closed'),
        count(*) FILTER (WHERE e.reason = 'expired'),
        count(*) FILTER (WHERE e.reason = 'admin'),
-       (SELECT revision FROM rev),
+       coalesce((SELECT revision FROM rev), 0),
        (SELECT locks FROM counts), (SELECT seats FROM counts),
        (SELECT count(*) FROM jobs WHERE status = 'queued'),
        (SELECT coalesce(array_agg(reason), '{}') FROM jobs WHERE status = 'failed'),
