@@ -65,18 +65,18 @@ events AS (
     INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail,
                             released_keys, released_tokens)
     SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens FROM (
-        SELECT e.n, 1 AS part, st.pool::text AS sort, 'seat_reclaimed' AS kind,
+        SELECT e.n, 1 AS part, 'seat_reclaimed' AS kind,
                e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
                NULL::uuid AS job_id, NULL::text AS detail, NULL::text[] AS keys,
                NULL::bigint[] AS tokens
         FROM seats st JOIN ended e ON e.id = st.session_id
         UNION ALL
-        SELECT j.n, 2, j.id::text,
+        SELECT j.n, 2,
                CASE WHEN j.status = 'queued' THEN 'job_recovered' ELSE 'job_failed' END,
                j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL, NULL
         FROM jobs j
         UNION ALL
-        SELECT e.n, 3, '',
+        SELECT e.n, 3,
                CASE e.reason WHEN 'closed' THEN 'session_closed'
                              WHEN 'expired' THEN 'session_expired'
                              ELSE 'session_ended_by_admin' END,
@@ -87,7 +87,7 @@ events AS (
                    array_agg(token ORDER BY token) AS tokens
             FROM locks GROUP BY session_id
         ) r ON r.session_id = e.id
-    ) x ORDER BY n, part, sort
+    ) x ORDER BY n, part
 ),
 -- By the row addresses the select locked: they cannot move while the rows are locked, and a
 -- TID scan needs neither an index probe per row nor a scan of the table.
