@@ -31,9 +31,7 @@ WITH target AS MATERIALIZED ({source}),
 rev AS MATERIALIZED (
     SELECT nextval('{ns}.revision') AS revision FROM (SELECT 1 FROM target LIMIT 1) AS found
 ),
-ended AS MATERIALIZED (
-    SELECT id, ctid, reason, row_number() OVER () AS n FROM target
-),
+ended AS MATERIALIZED (SELECT id, ctid, reason FROM target),
 -- Looked up through the session indexes: a join would scan every lock and seat per batch.
 locks AS MATERIALIZED (
     SELECT session_id, key, token FROM {ns}.lock
@@ -59,24 +57,24 @@ jobs AS (
         updated_at = {ns}.db_now()
     FROM ended e
     WHERE j.claim_session = e.id
-    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id, e.n
+    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id
 ),
 events AS (
     INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail,
                             released_keys, released_tokens)
     SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens FROM (
-        SELECT e.n, 1 AS part, 'seat_reclaimed' AS kind,
+        SELECT e.id AS session, 1 AS part, 'seat_reclaimed' AS kind,
                e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
                NULL::uuid AS job_id, NULL::text AS detail, NULL::text[] AS keys,
                NULL::bigint[] AS tokens
         FROM seats st JOIN ended e ON e.id = st.session_id
         UNION ALL
-        SELECT j.n, 2,
+        SELECT j.session_id, 2,
                CASE WHEN j.status = 'queued' THEN 'job_recovered' ELSE 'job_failed' END,
                j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL, NULL
         FROM jobs j
         UNION ALL
-        SELECT e.n, 3,
+        SELECT e.id, 3,
                CASE e.reason WHEN 'closed' THEN 'session_closed'
                              WHEN 'expired' THEN 'session_expired'
                              ELSE 'session_ended_by_admin' END,
@@ -87,7 +85,7 @@ events AS (
                    array_agg(token ORDER BY token) AS tokens
             FROM locks GROUP BY session_id
         ) r ON r.session_id = e.id
-    ) x ORDER BY n, part
+    ) x ORDER BY session, part
 ),
 -- By the row addresses the select locked: they cannot move while the rows are locked, and a
 -- TID scan needs neither an index probe per row nor a scan of the table.
