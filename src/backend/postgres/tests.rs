@@ -959,3 +959,60 @@ async fn a_statement_past_its_timeout_is_unavailable() {
     assert!(pg.ready());
     pg.shutdown();
 }
+
+/// Nodes creating one pool at once: exactly one creates it, the others resize it; a shrink
+/// below the seats in use takes none away and grants no more until use falls below it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pool_puts_race_safely_and_shrinking_takes_no_seat() {
+    let h = Harness::start().await;
+    let other = h.node(config()).await;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let pg = if i % 2 == 0 {
+            h.pg.clone()
+        } else {
+            other.clone()
+        };
+        tasks.push(tokio::spawn(async move {
+            pg.put_pool(key("p"), 2, None).await.unwrap().created
+        }));
+    }
+    let mut created = 0;
+    for t in tasks {
+        created += usize::from(t.await.unwrap());
+    }
+    assert_eq!(created, 1);
+    let a = h.open(60_000).await;
+    let b = h.open(1_000).await;
+    let c = h.open(60_000).await;
+    let ta = h.pg.acquire_seat(a, key("p"), None, 0).await.unwrap().token;
+    h.pg.acquire_seat(b, key("p"), None, 0).await.unwrap();
+    h.pg.put_pool(key("p"), 1, None).await.unwrap();
+    assert_eq!(h.pg.pool(&key("p")).await.unwrap().unwrap().in_use, 2);
+    assert!(matches!(
+        h.pg.acquire_seat(c, key("p"), None, 0).await,
+        Err(BackendError::PoolExhausted {
+            capacity: 1,
+            in_use: 2
+        })
+    ));
+    // The expired holder does not keep the pool alive, but the live one does.
+    h.shift(1_500).await;
+    assert!(matches!(
+        h.pg.delete_pool(key("p")).await,
+        Err(BackendError::PoolInUse(1))
+    ));
+    h.pg.release_seat(a, key("p"), ta).await.unwrap();
+    assert!(h.pg.acquire_seat(c, key("p"), None, 0).await.is_ok());
+    assert!(matches!(
+        h.pg.release_seat(a, key("p"), ta).await,
+        Err(BackendError::NotHolder)
+    ));
+    assert!(matches!(
+        h.pg.acquire_seat(a, key("nope"), None, 0).await,
+        Err(BackendError::PoolNotFound)
+    ));
+    other.shutdown();
+    h.assert_consistent().await;
+    h.stop();
+}
