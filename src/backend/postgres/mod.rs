@@ -160,6 +160,8 @@ pub(crate) struct Inner {
     /// Pools and queues the gauges last showed, to remove the series of deleted ones.
     gauge_pools: Mutex<Vec<String>>,
     gauge_queues: Mutex<Vec<String>>,
+    /// Sessions were ended in numbers too large to move the gauges one by one.
+    gauges_stale: AtomicBool,
 }
 
 /// The PostgreSQL backend's handle. Cheap to clone.
@@ -302,6 +304,7 @@ impl Postgres {
                 tasks: Mutex::new(Vec::new()),
                 gauge_pools: Mutex::new(Vec::new()),
                 gauge_queues: Mutex::new(Vec::new()),
+                gauges_stale: AtomicBool::new(false),
             }),
         };
         match pg.bootstrap().await {
@@ -402,7 +405,7 @@ impl Postgres {
                     continue;
                 }
             }
-            if round.is_multiple_of(5)
+            if (round.is_multiple_of(5) || self.inner.gauges_stale.load(Ordering::SeqCst))
                 && let Err(e) = self.refresh_gauges().await
             {
                 tracing::debug!(error = %e, "cannot refresh the gauges");
@@ -520,13 +523,9 @@ impl Postgres {
         }
         self.tally(&after.ended);
         if after.everything {
-            // What was not named cannot move the gauges one by one.
-            let pg = self.clone();
-            tokio::spawn(async move {
-                if let Err(e) = pg.refresh_gauges().await {
-                    tracing::debug!(error = %e, "cannot refresh the gauges");
-                }
-            });
+            // What was not named cannot move the gauges one by one: the next housekeeping
+            // round (or the end of the reap) refreshes them from the database.
+            self.inner.gauges_stale.store(true, Ordering::SeqCst);
         }
     }
 
@@ -643,6 +642,7 @@ impl Postgres {
 
     /// Refreshes the gauges from the database: other nodes change what they count.
     pub(crate) async fn refresh_gauges(&self) -> Result<()> {
+        self.inner.gauges_stale.store(false, Ordering::SeqCst);
         let m = &self.inner.metrics;
         if let Some(row) = self
             .query_opt(

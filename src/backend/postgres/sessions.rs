@@ -81,9 +81,11 @@ events AS (
                e.id, NULL, e.reason, NULL, NULL, NULL, NULL,
                coalesce(r.keys, '{}'), coalesce(r.tokens, '{}')
         FROM ended e LEFT JOIN (
-            SELECT session_id, array_agg(key::text ORDER BY token) AS keys,
-                   array_agg(token ORDER BY token) AS tokens
-            FROM locks GROUP BY session_id
+            -- In token order, from a sorted subquery: an ordered aggregate would sort each
+            -- session's one or two locks on their own.
+            SELECT session_id, array_agg(key::text) AS keys, array_agg(token) AS tokens
+            FROM (SELECT * FROM locks ORDER BY session_id, token) AS sorted
+            GROUP BY session_id
         ) r ON r.session_id = e.id
     ) x ORDER BY session, part
 ),
