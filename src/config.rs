@@ -152,7 +152,7 @@ fn range<T: PartialOrd + std::fmt::Display>(
 }
 
 /// A namespace becomes a schema name or a key prefix: keep it to what both accept unquoted.
-fn valid_namespace(ns: &str) -> bool {
+pub fn valid_namespace(ns: &str) -> bool {
     let mut chars = ns.chars();
     matches!(chars.next(), Some('a'..='z' | '_'))
         && ns.len() <= 48

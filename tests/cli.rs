@@ -169,3 +169,83 @@ async fn every_bench_workload_runs_and_reports() {
     }
     s.stop().await;
 }
+
+/// `migrate` and `check --backend postgres` against the real database, in a namespace of
+/// their own.
+#[test]
+fn migrate_and_check_a_postgres_namespace() {
+    let url = std::env::var("LEASEHOLD_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "host=127.0.0.1 port=5432 user=postgres dbname=test".into());
+    let ns = format!("t_{:032x}", uuid::Uuid::new_v4().as_u128());
+    let psql = |sql: String| {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                c.batch_execute(&sql).await.unwrap();
+            })
+        })
+        .join()
+        .unwrap()
+    };
+    let args = |cmd: &str| {
+        vec![
+            cmd.to_string(),
+            "--postgres-url".into(),
+            url.clone(),
+            "--namespace".into(),
+            ns.clone(),
+        ]
+    };
+    let run = |a: Vec<String>, extra: &[&str]| {
+        let mut all: Vec<&str> = a.iter().map(String::as_str).collect();
+        all.extend(extra);
+        leasehold(&all)
+    };
+    let (code, out, err) = run(args("migrate"), &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("from version 0 to 1"), "{out}");
+    let (code, out, _) = run(args("migrate"), &[]);
+    assert_eq!(code, 0);
+    assert!(out.contains("already at version 1"), "{out}");
+    let (code, out, err) = run(args("check"), &["--backend", "postgres"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("every invariant holds"), "{out}");
+    // A grant with a token the revision sequence never issued.
+    psql(format!(
+        "INSERT INTO \"{ns}\".session (id, owner, ttl_ms, expires_at)
+         VALUES ('00000000-0000-4000-8000-000000000001', 'x', 1000, \"{ns}\".db_now() + interval '1 hour');
+         INSERT INTO \"{ns}\".lock (key, session_id, token)
+         VALUES ('k', '00000000-0000-4000-8000-000000000001', 99);"
+    ));
+    let (code, out, _) = run(args("check"), &["--backend", "postgres"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("lock k has token 99 above the revision"),
+        "{out}"
+    );
+    psql(format!(
+        "INSERT INTO \"{ns}\".schema_version VALUES (99, now())"
+    ));
+    let (code, _, err) = run(args("migrate"), &[]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("newer than the newest this build knows"),
+        "{err}"
+    );
+    psql(format!("DROP SCHEMA \"{ns}\" CASCADE"));
+    let (code, _, err) = leasehold(&[
+        "migrate",
+        "--postgres-url",
+        "postgres://u:secret@127.0.0.1:1/x",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("u:***@") && !err.contains("secret"), "{err}");
+}

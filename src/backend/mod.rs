@@ -7,6 +7,9 @@
 //!
 //! - [`embedded`]: in-memory state owned by one writer thread, persisted to redb (fsync)
 //!   before each answer; expiry on the node's monotonic clock; one node.
+//! - [`postgres`]: the database is the authority, shared by several nodes; each operation
+//!   one transaction; expiry on the database clock (`db_now()`); waiting node-local, woken
+//!   by `LISTEN`/`NOTIFY`.
 //!
 //! # The failure contract
 //!

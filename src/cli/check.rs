@@ -1,10 +1,13 @@
-//! `leasehold check`: the offline integrity check of a data directory.
+//! `leasehold check`: the offline integrity check of a data directory or of a PostgreSQL
+//! namespace; `leasehold migrate`: the PostgreSQL schema migrations.
 
 use std::path::Path;
 use std::process::ExitCode;
 
+use crate::backend::CheckReport;
 use crate::backend::embedded::store::Store;
 use crate::backend::embedded::store::embedded::DATA_FILE;
+use crate::backend::postgres;
 
 pub fn run(data_dir: &Path) -> ExitCode {
     if !data_dir.join(DATA_FILE).exists() {
@@ -22,25 +25,124 @@ pub fn run(data_dir: &Path) -> ExitCode {
         }
     };
     match store.check() {
-        Ok(report) => {
-            println!(
-                "sessions: {}\nlocks: {}\nevents: {}\nrevision: {}",
-                report.sessions, report.locks, report.events, report.revision
-            );
-            if report.problems.is_empty() {
-                println!("ok: every invariant holds");
-                ExitCode::SUCCESS
-            } else {
-                println!("{} problem(s):", report.problems.len());
-                for p in &report.problems {
-                    println!("- {p}");
-                }
-                ExitCode::FAILURE
-            }
-        }
+        Ok(report) => print(&report),
         Err(e) => {
             eprintln!("leasehold check: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+fn print(report: &CheckReport) -> ExitCode {
+    println!(
+        "sessions: {}\nlocks: {}\nevents: {}\nrevision: {}",
+        report.sessions, report.locks, report.events, report.revision
+    );
+    if report.problems.is_empty() {
+        println!("ok: every invariant holds");
+        ExitCode::SUCCESS
+    } else {
+        println!("{} problem(s):", report.problems.len());
+        for p in &report.problems {
+            println!("- {p}");
+        }
+        ExitCode::FAILURE
+    }
+}
+
+/// Connects to PostgreSQL for a one-off command; exit code 2 and a message naming the URL
+/// (without its password) when that fails.
+fn with_postgres(
+    command: &str,
+    url: Option<&str>,
+    namespace: &str,
+    run: impl AsyncFnOnce(&mut tokio_postgres::Client) -> ExitCode,
+) -> ExitCode {
+    let Some(url) = url else {
+        eprintln!("leasehold {command}: --postgres-url (or LEASEHOLD_POSTGRES_URL) is needed");
+        return ExitCode::from(2);
+    };
+    if !crate::config::valid_namespace(namespace) {
+        eprintln!(
+            "leasehold {command}: namespace {namespace:?} must be 1 to 48 characters of a-z, 0-9 and _, starting with a letter or _"
+        );
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("leasehold {command}: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let connected = match url.parse::<tokio_postgres::Config>() {
+            Ok(mut config) => {
+                config.connect_timeout(std::time::Duration::from_secs(5));
+                config.connect(tokio_postgres::NoTls).await
+            }
+            Err(e) => Err(e),
+        };
+        let (mut client, connection) = match connected {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!(
+                    "leasehold {command}: cannot connect to PostgreSQL at {}: {}",
+                    postgres::redact(url),
+                    postgres::chain(&e)
+                );
+                return ExitCode::from(2);
+            }
+        };
+        let driver = tokio::spawn(connection);
+        let code = run(&mut client).await;
+        drop(client);
+        let _ = driver.await;
+        code
+    })
+}
+
+/// `leasehold check --backend postgres`: every invariant of a namespace's tables.
+pub fn run_postgres(url: Option<&str>, namespace: &str) -> ExitCode {
+    with_postgres(
+        "check",
+        url,
+        namespace,
+        async |client| match postgres::check(client, namespace).await {
+            Ok(report) => print(&report),
+            Err(e) => {
+                eprintln!("leasehold check: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    )
+}
+
+/// `leasehold migrate`: brings a namespace's schema to the version this build knows.
+pub fn migrate(url: Option<&str>, namespace: &str) -> ExitCode {
+    with_postgres(
+        "migrate",
+        url,
+        namespace,
+        async |client| match postgres::schema::migrate(client, namespace).await {
+            Ok(found) if found == postgres::schema::VERSION => {
+                println!("namespace {namespace}: schema already at version {found}");
+                ExitCode::SUCCESS
+            }
+            Ok(found) => {
+                println!(
+                    "namespace {namespace}: schema migrated from version {found} to {}",
+                    postgres::schema::VERSION
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("leasehold migrate: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    )
 }

@@ -1,5 +1,5 @@
-//! The command line: `serve`, the client commands that talk to a running server, and the
-//! offline integrity check.
+//! The command line: `serve`, the client commands that talk to a running server, the
+//! offline integrity check and the PostgreSQL migrations.
 
 mod bench;
 mod check;
@@ -30,11 +30,28 @@ pub struct Cli {
 enum Command {
     /// Run the server.
     Serve(Box<ServeArgs>),
-    /// Verify the data file offline; exits 1 with a report when an invariant does not hold.
+    /// Verify the stored state offline; exits 1 with a report when an invariant does not
+    /// hold.
     Check {
         /// The data directory (the server must not be running on it).
         #[arg(long, env = "LEASEHOLD_DATA_DIR", default_value = "leasehold-data")]
         data_dir: PathBuf,
+        /// Which store to check.
+        #[arg(
+            long,
+            env = "LEASEHOLD_BACKEND",
+            value_enum,
+            default_value = "embedded"
+        )]
+        backend: crate::config::BackendKind,
+        #[command(flatten)]
+        postgres: PostgresArgs,
+    },
+    /// Apply the PostgreSQL schema migrations of a namespace (serve also applies them at
+    /// start); refuses a schema newer than this build knows.
+    Migrate {
+        #[command(flatten)]
+        postgres: PostgresArgs,
     },
     /// Inspect or end sessions on a running server.
     Sessions {
@@ -87,6 +104,17 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+}
+
+/// Where the PostgreSQL state lives.
+#[derive(Args)]
+struct PostgresArgs {
+    /// PostgreSQL connection URL (libpq form).
+    #[arg(long, env = "LEASEHOLD_POSTGRES_URL")]
+    postgres_url: Option<String>,
+    /// Schema holding the state.
+    #[arg(long, env = "LEASEHOLD_NAMESPACE", default_value = "leasehold")]
+    namespace: String,
 }
 
 #[derive(Args)]
@@ -290,7 +318,19 @@ pub struct ServeArgs {
 pub fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Serve(args) => serve::run(*args),
-        Command::Check { data_dir } => check::run(&data_dir),
+        Command::Check {
+            data_dir,
+            backend,
+            postgres,
+        } => match backend {
+            crate::config::BackendKind::Embedded => check::run(&data_dir),
+            crate::config::BackendKind::Postgres => {
+                check::run_postgres(postgres.postgres_url.as_deref(), &postgres.namespace)
+            }
+        },
+        Command::Migrate { postgres } => {
+            check::migrate(postgres.postgres_url.as_deref(), &postgres.namespace)
+        }
         Command::Sessions { server, action } => {
             remote::block_on(remote::sessions(&server.server, action))
         }

@@ -48,12 +48,24 @@ pub fn run(args: ServeArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        tracing::info!(
-            listen = %app.addr,
-            data_dir = %config.data_dir.display(),
-            startup_ms = started.elapsed().as_millis() as u64,
-            "leasehold is serving"
-        );
+        match config.backend {
+            crate::config::BackendKind::Embedded => tracing::info!(
+                listen = %app.addr,
+                data_dir = %config.data_dir.display(),
+                startup_ms = started.elapsed().as_millis() as u64,
+                "leasehold is serving"
+            ),
+            crate::config::BackendKind::Postgres => tracing::info!(
+                listen = %app.addr,
+                postgres = %crate::backend::postgres::redact(
+                    config.postgres_url.as_deref().unwrap_or_default()
+                ),
+                namespace = %config.namespace,
+                ready = app.engine.ready(),
+                startup_ms = started.elapsed().as_millis() as u64,
+                "leasehold is serving"
+            ),
+        }
         app.serve_until(shutdown_signal()).await;
         tracing::info!("stopped");
         ExitCode::SUCCESS

@@ -189,9 +189,8 @@ impl Waiting {
         F: FnMut(bool) -> Fut,
         Fut: Future<Output = Result<Step<T, B>, BackendError>>,
     {
-        if deadline.is_some() && self.is_draining() {
-            return Err(BackendError::ShuttingDown);
-        }
+        // While draining nobody starts to wait: a request is answered at once.
+        let deadline = deadline.filter(|_| !self.is_draining());
         let ahead = self.waiting(&resource) > 0;
         let (mut last, room) = match attempt(!ahead).await? {
             Step::Done(t) => return Ok(Step::Done(t)),
@@ -210,9 +209,15 @@ impl Waiting {
         let over = |last_now: Instant| {
             deadline.is_some_and(|d| self.clock.now() >= d) || turn.is_some_and(|t| last_now >= t)
         };
+        // A drain answers every waiter at once; one only waiting its turn is answered as if
+        // it had not waited.
+        let drained = |last| match turn {
+            Some(_) => Ok(Step::Busy(last)),
+            None => Err(BackendError::ShuttingDown),
+        };
         loop {
             if self.is_draining() {
-                return Err(BackendError::ShuttingDown);
+                return drained(last);
             }
             if over(Instant::now()) {
                 return Ok(Step::Busy(last));
@@ -223,7 +228,7 @@ impl Waiting {
                 _ = drain.changed() => false,
             };
             if self.is_draining() {
-                return Err(BackendError::ShuttingDown);
+                return drained(last);
             }
             if over(Instant::now()) {
                 return Ok(Step::Busy(last));

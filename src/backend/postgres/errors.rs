@@ -6,10 +6,26 @@ use crate::backend::BackendError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PgError {
-    #[error("PostgreSQL: {0}")]
+    #[error("PostgreSQL: {}", chain(.0))]
     Db(#[from] tokio_postgres::Error),
-    #[error("no PostgreSQL connection: {0}")]
+    #[error("no PostgreSQL connection: {}", chain(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
+}
+
+/// An error with its causes: the driver's own message alone ("error connecting to server")
+/// leaves out why.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let next = s.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = s.source();
+    }
+    text
 }
 
 /// SQLSTATEs after which the server has rolled the transaction back, so running it again

@@ -70,7 +70,7 @@ use crate::domain::{
 use crate::engine::EngineConfig;
 use crate::engine::waiting::{Resource, Waiting};
 use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
-pub use errors::{PgError, redact};
+pub use errors::{PgError, chain, redact};
 pub use schema::MigrateError;
 use sessions::Ended;
 
@@ -107,7 +107,8 @@ impl PgSettings {
             "-c statement_timeout={} -c idle_in_transaction_session_timeout={idle_in_tx} -c jit=off",
             self.statement_timeout_ms
         ));
-        pg.application_name("leasehold");
+        // Names the namespace, so an operator can tell which service a connection serves.
+        pg.application_name(format!("leasehold/{}", self.namespace));
         if pg.get_connect_timeout().is_none() {
             pg.connect_timeout(Duration::from_secs(3));
         }
@@ -159,6 +160,8 @@ pub(crate) struct Inner {
     /// Pools and queues the gauges last showed, to remove the series of deleted ones.
     gauge_pools: Mutex<Vec<String>>,
     gauge_queues: Mutex<Vec<String>>,
+    /// Sessions were ended in numbers too large to move the gauges one by one.
+    gauges_stale: AtomicBool,
 }
 
 /// The PostgreSQL backend's handle. Cheap to clone.
@@ -301,6 +304,7 @@ impl Postgres {
                 tasks: Mutex::new(Vec::new()),
                 gauge_pools: Mutex::new(Vec::new()),
                 gauge_queues: Mutex::new(Vec::new()),
+                gauges_stale: AtomicBool::new(false),
             }),
         };
         match pg.bootstrap().await {
@@ -401,7 +405,7 @@ impl Postgres {
                     continue;
                 }
             }
-            if round.is_multiple_of(5)
+            if (round.is_multiple_of(5) || self.inner.gauges_stale.load(Ordering::SeqCst))
                 && let Err(e) = self.refresh_gauges().await
             {
                 tracing::debug!(error = %e, "cannot refresh the gauges");
@@ -519,13 +523,9 @@ impl Postgres {
         }
         self.tally(&after.ended);
         if after.everything {
-            // What was not named cannot move the gauges one by one.
-            let pg = self.clone();
-            tokio::spawn(async move {
-                if let Err(e) = pg.refresh_gauges().await {
-                    tracing::debug!(error = %e, "cannot refresh the gauges");
-                }
-            });
+            // What was not named cannot move the gauges one by one: the next housekeeping
+            // round (or the end of the reap) refreshes them from the database.
+            self.inner.gauges_stale.store(true, Ordering::SeqCst);
         }
     }
 
@@ -642,6 +642,7 @@ impl Postgres {
 
     /// Refreshes the gauges from the database: other nodes change what they count.
     pub(crate) async fn refresh_gauges(&self) -> Result<()> {
+        self.inner.gauges_stale.store(false, Ordering::SeqCst);
         let m = &self.inner.metrics;
         if let Some(row) = self
             .query_opt(

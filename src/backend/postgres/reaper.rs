@@ -129,16 +129,18 @@ impl Postgres {
         let mut total = ReapOutcome::default();
         loop {
             let pass = self.pass(true).await?.unwrap_or_default();
-            self.retention().await?;
             total.sessions += pass.sessions;
             total.locks += pass.locks;
             total.seats += pass.seats;
             total.jobs += pass.jobs;
             if pass.sessions < self.config().reaper_batch.max(1) {
-                self.refresh_gauges().await?;
-                return Ok(total);
+                break;
             }
         }
+        // Retention is bounded per call, as a background round's is.
+        self.retention().await?;
+        self.refresh_gauges().await?;
+        Ok(total)
     }
 
     /// Purges finished jobs and trims audit events past their retention, one bounded batch

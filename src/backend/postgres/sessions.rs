@@ -12,8 +12,8 @@ use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
 use crate::engine::waiting::Resource;
 
 /// Ends the sessions `{source}` selects (`id`, `ctid`, `reason`), already locked `FOR UPDATE` by
-/// that select, in one statement: the statement draws one revision (it is one mutation,
-/// however many sessions it ends); their claimed jobs go back to the head of their queue
+/// that select, in one statement: the statement draws one revision if it ends any (it is
+/// one mutation, however many sessions it ends); their claimed jobs go back to the head of their queue
 /// (idempotent, under the cap: `recovery_count + 1`) or fail (`max_recoveries_exceeded`,
 /// `not_idempotent`); their events are written in the embedded backend's order (per
 /// session: seats reclaimed, jobs settled, then the end with the locks released); and their
@@ -28,15 +28,18 @@ use crate::engine::waiting::Resource;
 /// many to list: everyone is woken instead.
 const END: &str = r#"
 WITH target AS MATERIALIZED ({source}),
-rev AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
-ended AS MATERIALIZED (
-    SELECT id, ctid, reason, row_number() OVER () AS n FROM target
+rev AS MATERIALIZED (
+    SELECT nextval('{ns}.revision') AS revision FROM (SELECT 1 FROM target LIMIT 1) AS found
 ),
+ended AS MATERIALIZED (SELECT id, ctid, reason FROM target),
+-- Looked up through the session indexes: a join would scan every lock and seat per batch.
 locks AS MATERIALIZED (
-    SELECT l.session_id, l.key, l.token FROM {ns}.lock l JOIN ended e ON l.session_id = e.id
+    SELECT session_id, key, token FROM {ns}.lock
+    WHERE session_id = ANY (ARRAY(SELECT id FROM ended))
 ),
 seats AS MATERIALIZED (
-    SELECT st.session_id, st.pool, st.token FROM {ns}.seat st JOIN ended e ON st.session_id = e.id
+    SELECT session_id, pool, token FROM {ns}.seat
+    WHERE session_id = ANY (ARRAY(SELECT id FROM ended))
 ),
 jobs AS (
     UPDATE {ns}.job j SET
@@ -54,35 +57,37 @@ jobs AS (
         updated_at = {ns}.db_now()
     FROM ended e
     WHERE j.claim_session = e.id
-    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id, e.n
+    RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id
 ),
 events AS (
     INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail,
                             released_keys, released_tokens)
     SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens FROM (
-        SELECT e.n, 1 AS part, st.pool::text AS sort, 'seat_reclaimed' AS kind,
+        SELECT e.id AS session, 1 AS part, 'seat_reclaimed' AS kind,
                e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
                NULL::uuid AS job_id, NULL::text AS detail, NULL::text[] AS keys,
                NULL::bigint[] AS tokens
         FROM seats st JOIN ended e ON e.id = st.session_id
         UNION ALL
-        SELECT j.n, 2, j.id::text,
+        SELECT j.session_id, 2,
                CASE WHEN j.status = 'queued' THEN 'job_recovered' ELSE 'job_failed' END,
                j.session_id, j.token, NULL, NULL, j.queue, j.id, j.reason, NULL, NULL
         FROM jobs j
         UNION ALL
-        SELECT e.n, 3, '',
+        SELECT e.id, 3,
                CASE e.reason WHEN 'closed' THEN 'session_closed'
                              WHEN 'expired' THEN 'session_expired'
                              ELSE 'session_ended_by_admin' END,
                e.id, NULL, e.reason, NULL, NULL, NULL, NULL,
                coalesce(r.keys, '{}'), coalesce(r.tokens, '{}')
         FROM ended e LEFT JOIN (
-            SELECT session_id, array_agg(key::text ORDER BY token) AS keys,
-                   array_agg(token ORDER BY token) AS tokens
-            FROM locks GROUP BY session_id
+            -- In token order, from a sorted subquery: an ordered aggregate would sort each
+            -- session's one or two locks on their own.
+            SELECT session_id, array_agg(key::text) AS keys, array_agg(token) AS tokens
+            FROM (SELECT * FROM locks ORDER BY session_id, token) AS sorted
+            GROUP BY session_id
         ) r ON r.session_id = e.id
-    ) x ORDER BY n, part, sort
+    ) x ORDER BY session, part
 ),
 -- By the row addresses the select locked: they cannot move while the rows are locked, and a
 -- TID scan needs neither an index probe per row nor a scan of the table.
@@ -96,7 +101,7 @@ counts AS MATERIALIZED (
 SELECT count(*) FILTER (WHERE e.reason = 'closed'),
        count(*) FILTER (WHERE e.reason = 'expired'),
        count(*) FILTER (WHERE e.reason = 'admin'),
-       (SELECT revision FROM rev),
+       coalesce((SELECT revision FROM rev), 0),
        (SELECT locks FROM counts), (SELECT seats FROM counts),
        (SELECT count(*) FROM jobs WHERE status = 'queued'),
        (SELECT coalesce(array_agg(reason), '{}') FROM jobs WHERE status = 'failed'),

@@ -874,3 +874,145 @@ async fn reaper_keeps_up_with_a_plain_cascading_delete() {
     );
     assert!(ratio < 1.5, "the reaper took {ratio:.2}x the plain delete");
 }
+
+/// PostgreSQL restarting drops every connection: requests in flight fail as unavailable
+/// (never a wrong answer), the pool reconnects, and the node serves again on its own.
+#[tokio::test]
+async fn lost_connections_are_unavailable_then_reconnected() {
+    let h = Harness::start().await;
+    let id = h.open(60_000).await;
+    let g = h.pg.acquire(id, key("k"), 0).await.unwrap();
+    h.admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("leasehold/{}", h.schema.0)],
+        )
+        .await
+        .unwrap();
+    // Every answer is either right or unavailable; within a few tries the pool has new
+    // connections and the answers are right again.
+    let mut served = false;
+    for _ in 0..50 {
+        match h.pg.fence(&key("k"), g.token).await {
+            Ok(f) => {
+                assert!(f.current);
+                served = true;
+                break;
+            }
+            Err(BackendError::Unavailable(_)) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(served);
+    assert_eq!(
+        h.pg.acquire(id, key("k"), 0).await.unwrap().token,
+        g.token,
+        "the grant survived"
+    );
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while !h.pg.ready() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap();
+    h.stop();
+}
+
+/// A statement that waits past statement_timeout is cancelled by the server: the client is
+/// told the backend is unavailable (the outcome of a mutation unknown), and nothing hangs.
+#[tokio::test]
+async fn a_statement_past_its_timeout_is_unavailable() {
+    let schema = Schema::new();
+    let clock = ManualClock::new(UnixMs(0));
+    let pg = Postgres::start(
+        config(),
+        PgSettings {
+            statement_timeout_ms: 300,
+            ..settings(&schema.0)
+        },
+        Arc::new(clock),
+        Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap();
+    let id = pg.open("a".into(), Some(60_000), None).await.unwrap().id;
+    let mut admin = connect().await;
+    let tx = admin.transaction().await.unwrap();
+    tx.execute(
+        &format!(
+            "SELECT 1 FROM \"{}\".session WHERE id = $1 FOR UPDATE",
+            schema.0
+        ),
+        &[&id.0],
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let r = pg.heartbeat(id, None).await;
+    assert!(matches!(&r, Err(e) if e.is_outcome_unknown()), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    tx.rollback().await.unwrap();
+    assert!(pg.heartbeat(id, None).await.is_ok());
+    assert!(pg.ready());
+    pg.shutdown();
+}
+
+/// Nodes creating one pool at once: exactly one creates it, the others resize it; a shrink
+/// below the seats in use takes none away and grants no more until use falls below it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pool_puts_race_safely_and_shrinking_takes_no_seat() {
+    let h = Harness::start().await;
+    let other = h.node(config()).await;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let pg = if i % 2 == 0 {
+            h.pg.clone()
+        } else {
+            other.clone()
+        };
+        tasks.push(tokio::spawn(async move {
+            pg.put_pool(key("p"), 2, None).await.unwrap().created
+        }));
+    }
+    let mut created = 0;
+    for t in tasks {
+        created += usize::from(t.await.unwrap());
+    }
+    assert_eq!(created, 1);
+    let a = h.open(60_000).await;
+    let b = h.open(1_000).await;
+    let c = h.open(60_000).await;
+    let ta = h.pg.acquire_seat(a, key("p"), None, 0).await.unwrap().token;
+    h.pg.acquire_seat(b, key("p"), None, 0).await.unwrap();
+    h.pg.put_pool(key("p"), 1, None).await.unwrap();
+    assert_eq!(h.pg.pool(&key("p")).await.unwrap().unwrap().in_use, 2);
+    assert!(matches!(
+        h.pg.acquire_seat(c, key("p"), None, 0).await,
+        Err(BackendError::PoolExhausted {
+            capacity: 1,
+            in_use: 2
+        })
+    ));
+    // The expired holder does not keep the pool alive, but the live one does.
+    h.shift(1_500).await;
+    assert!(matches!(
+        h.pg.delete_pool(key("p")).await,
+        Err(BackendError::PoolInUse(1))
+    ));
+    h.pg.release_seat(a, key("p"), ta).await.unwrap();
+    assert!(h.pg.acquire_seat(c, key("p"), None, 0).await.is_ok());
+    assert!(matches!(
+        h.pg.release_seat(a, key("p"), ta).await,
+        Err(BackendError::NotHolder)
+    ));
+    assert!(matches!(
+        h.pg.acquire_seat(a, key("nope"), None, 0).await,
+        Err(BackendError::PoolNotFound)
+    ));
+    other.shutdown();
+    h.assert_consistent().await;
+    h.stop();
+}
