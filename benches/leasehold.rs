@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use criterion::{
     BatchSize, BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
+use leasehold::backend::EngineConfig;
 use leasehold::backend::ReapOutcome;
 use leasehold::backend::embedded::Embedded as Engine;
 use leasehold::backend::embedded::store::{Batch, Store};
@@ -32,7 +33,6 @@ use leasehold::domain::{
     At, Effects, EndReason, Finish, JobId, Limits, LockKey, Mono, NewJob, PoolName, QueueName,
     SessionId, State, Token, UnixMs,
 };
-use leasehold::engine::EngineConfig;
 use leasehold::metrics::Metrics;
 use tempfile::TempDir;
 use tokio::runtime::Runtime;

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 
 use crate::backend::embedded::store::{Store, StoreError};
 use crate::backend::embedded::{Embedded, StartError};
-use crate::backend::postgres::{self, PgSettings, Postgres};
+use crate::backend::postgres::{self, Postgres};
 use crate::clock::Clock;
 use crate::config::{BackendKind, Config};
 use crate::engine::Engine;
@@ -53,13 +53,8 @@ impl App {
             }
             BackendKind::Postgres => {
                 let metrics = Arc::new(Metrics::new());
-                let backend = Postgres::start(
-                    config.engine(),
-                    PgSettings::from_config(config),
-                    clock,
-                    metrics,
-                )
-                .await?;
+                let backend =
+                    Postgres::start(config.engine(), config.postgres(), clock, metrics).await?;
                 App::serve(config, Engine::from(backend)).await
             }
         }

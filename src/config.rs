@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::EngineConfig;
+use crate::backend::postgres::PgSettings;
 use crate::domain::Limits;
-use crate::engine::EngineConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -346,6 +347,17 @@ impl Config {
             )));
         }
         Ok(())
+    }
+
+    /// How the PostgreSQL backend reaches its database (`postgres_url` is checked by
+    /// `validate` when `backend = "postgres"`).
+    pub fn postgres(&self) -> PgSettings {
+        PgSettings {
+            url: self.postgres_url.clone().unwrap_or_default(),
+            namespace: self.namespace.clone(),
+            pool_size: self.postgres_pool_size,
+            statement_timeout_ms: self.postgres_statement_timeout_ms,
+        }
     }
 
     pub fn engine(&self) -> EngineConfig {

@@ -11,11 +11,13 @@
 //!   clock, locks, seat pools, job leases, the expiry index and the durable revision counter
 //!   every fencing token is drawn from. Time arrives as an argument; every mutation returns
 //!   the changes to persist. Never reads a clock, never does I/O.
-//! - [`engine`]: above the seam. `Engine`, the one handle the API and the CLI call, dispatches
-//!   to the configured backend; `waiting` keeps node-local first-come, first-served lines for
-//!   a backend whose authority is a shared database; `pacing` sizes reaper passes by time.
+//! - [`engine`]: `Engine`, the one handle the API and the CLI call; it dispatches each
+//!   operation to the configured backend. It knows the backends; none of them knows it.
 //! - [`backend`]: the seam, the `Backend` trait — every operation, each atomic in its backend,
-//!   with its failure contract — and the result and error types every backend shares.
+//!   with its failure contract — the result and error types and settings every backend
+//!   shares, and what backends share below the API: `waiting` (node-local first-come,
+//!   first-served lines for a backend whose authority is a shared database) and `pacing`
+//!   (reaper passes sized by time).
 //!   - `backend::embedded` (the default): the in-memory state owned by one writer thread
 //!     (group commit: a batch of requests, one fsynced commit, then the replies), FIFO
 //!     waiters for locks, seats and jobs, and the reaper thread (sleeps until the earliest

@@ -21,7 +21,10 @@
 //! a session past its deadline may end it, durably, before it answers "gone".
 
 pub mod embedded;
+pub mod pacing;
 pub mod postgres;
+mod settings;
+pub mod waiting;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -31,9 +34,9 @@ use crate::domain::{
     LockRecord, NewJob, PoolName, PoolPut, QueueCounts, QueueName, SeatRecord, SessionId,
     SessionRecord, Token, UnixMs,
 };
-use crate::engine::EngineConfig;
 use crate::metrics::Metrics;
 use embedded::store::StoreError;
+pub use settings::EngineConfig;
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 

@@ -1,12 +1,9 @@
-//! Above the seam: the settings every backend shares, reaper pass pacing, node-local waiting
-//! for backends on a shared database, and [`Engine`], the one handle the API and the CLI
-//! call, which hands each operation to the configured backend.
-
-pub mod pacing;
-pub mod waiting;
+//! [`Engine`]: the one handle the API and the CLI call, which hands each operation to the
+//! configured backend. It knows the backends; none of them knows it.
 
 use std::sync::Arc;
 
+pub use crate::backend::EngineConfig;
 use crate::backend::embedded::Embedded;
 use crate::backend::postgres::Postgres;
 use crate::backend::{
@@ -14,43 +11,10 @@ use crate::backend::{
     OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
 };
 use crate::domain::{
-    EndReason, Event, Finish, JobId, JobRecord, JobStatus, Limits, LockKey, LockRecord, NewJob,
-    PoolName, PoolPut, QueueName, SessionId, Token,
+    EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, NewJob, PoolName,
+    PoolPut, QueueName, SessionId, Token,
 };
 use crate::metrics::Metrics;
-
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    pub limits: Limits,
-    pub max_wait_ms: u64,
-    pub reaper_enabled: bool,
-    pub reaper_interval_ms: u64,
-    pub reaper_batch: usize,
-    pub reaper_pass_ms: u64,
-    pub event_retention_ms: u64,
-    pub event_trim_batch: usize,
-    pub job_retention_ms: u64,
-    pub max_batch: usize,
-    pub queue_capacity: usize,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            limits: Limits::default(),
-            max_wait_ms: 60_000,
-            reaper_enabled: true,
-            reaper_interval_ms: 1_000,
-            reaper_batch: 10_000,
-            reaper_pass_ms: 2,
-            event_retention_ms: 7 * 24 * 3_600_000,
-            event_trim_batch: 10_000,
-            job_retention_ms: 7 * 24 * 3_600_000,
-            max_batch: 4_096,
-            queue_capacity: 65_536,
-        }
-    }
-}
 
 /// The handle the API calls: the configured backend. Cheap to clone. An enum rather than a
 /// trait object, so that a call costs a branch, not an allocation.

@@ -35,6 +35,7 @@ use crossbeam_channel::{Sender, TrySendError};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
+use crate::backend::EngineConfig;
 use crate::backend::{
     Backend, BackendError, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage,
     LockPage, OpenedSession, PoolInfo, QueueInfo, ReapOutcome, SessionInfo, SessionPage,
@@ -44,7 +45,6 @@ use crate::domain::{
     EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, NewJob, PoolName,
     PoolPut, QueueName, SessionId, State, Token,
 };
-use crate::engine::EngineConfig;
 use crate::metrics::Metrics;
 use commands::Command;
 pub use errors::StartError;

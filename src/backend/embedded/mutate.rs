@@ -272,11 +272,11 @@ mod tests {
     use std::sync::{Arc, OnceLock, Weak};
 
     use super::*;
+    use crate::backend::EngineConfig;
     use crate::backend::embedded::shared::Shared;
     use crate::backend::embedded::store::Store;
     use crate::clock::{Clock, ManualClock};
     use crate::domain::UnixMs;
-    use crate::engine::EngineConfig;
     use crate::metrics::Metrics;
 
     /// A clock that, the one time it is armed, lets time jump past a session's deadline

@@ -3,7 +3,7 @@
 //! expiry is worked off in batches with other requests served between them.
 //!
 //! A pass holds the writer, so every request queued behind it waits for it. Passes are
-//! therefore sized by time, not by a fixed count: see [`crate::engine::pacing`].
+//! therefore sized by time, not by a fixed count: see [`crate::backend::pacing`].
 
 use std::sync::Arc;
 use std::thread::JoinHandle;

@@ -8,9 +8,9 @@ use parking_lot::Mutex;
 
 use super::store::Store;
 use super::waiters::Waiters;
+use crate::backend::EngineConfig;
 use crate::clock::Clock;
 use crate::domain::State;
-use crate::engine::EngineConfig;
 use crate::metrics::Metrics;
 
 pub(crate) struct Shared {

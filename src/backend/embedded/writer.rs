@@ -19,8 +19,8 @@ use super::shared::Shared;
 use super::store::Batch;
 use super::tallies::Tally;
 use crate::backend::BackendError;
+use crate::backend::pacing::PassSizer;
 use crate::domain::{At, Effects, UnixMs};
-use crate::engine::pacing::PassSizer;
 
 /// A paced pass in the batch being built: what it ended and what that cost before the
 /// commit, so the sizer can learn its share of the batch.

@@ -7,11 +7,11 @@ use uuid::Uuid;
 
 use super::sessions::END_EXPIRED_ONE;
 use super::{Fail, Postgres, transact};
+use crate::backend::waiting::{Resource, Step};
 use crate::backend::{BackendError, Claimed, JobPage, QueueInfo, Result};
 use crate::domain::{
     Finish, JobId, JobRecord, JobStatus, NewJob, QueueCounts, QueueName, SessionId, Token, UnixMs,
 };
-use crate::engine::waiting::{Resource, Step};
 
 const ENQUEUE: &str = "
 WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),

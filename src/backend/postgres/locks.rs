@@ -5,9 +5,9 @@ use uuid::Uuid;
 
 use super::sessions::END_EXPIRED_ONE;
 use super::{Fail, Postgres, transact};
+use crate::backend::waiting::{Resource, Step};
 use crate::backend::{BackendError, Fence, Granted, LockPage, Result};
 use crate::domain::{LockKey, LockRecord, SessionId, Token, UnixMs};
-use crate::engine::waiting::{Resource, Step};
 
 /// Serialises every grant of one key, across nodes, until the transaction ends. A free key
 /// has no row to lock, so its token order rests on this lock (see the module doc): the

@@ -58,6 +58,8 @@ use tokio::task::JoinHandle;
 use tokio_postgres::NoTls;
 use tokio_postgres::types::ToSql;
 
+use crate::backend::EngineConfig;
+use crate::backend::waiting::{Resource, Waiting};
 use crate::backend::{
     Backend, BackendError, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage,
     LockPage, OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
@@ -67,8 +69,6 @@ use crate::domain::{
     EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, Mono, NewJob,
     PoolName, PoolPut, QueueName, SessionId, Token,
 };
-use crate::engine::EngineConfig;
-use crate::engine::waiting::{Resource, Waiting};
 use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
 pub use errors::{PgError, chain, redact};
 pub use schema::MigrateError;
@@ -84,15 +84,6 @@ pub struct PgSettings {
 }
 
 impl PgSettings {
-    pub fn from_config(config: &crate::config::Config) -> PgSettings {
-        PgSettings {
-            url: config.postgres_url.clone().unwrap_or_default(),
-            namespace: config.namespace.clone(),
-            pool_size: config.postgres_pool_size,
-            statement_timeout_ms: config.postgres_statement_timeout_ms,
-        }
-    }
-
     /// The connection settings, with `statement_timeout` set on every connection and a
     /// bounded connect time.
     pub fn pg_config(&self) -> std::result::Result<tokio_postgres::Config, StartError> {
@@ -779,7 +770,7 @@ pub async fn check(
 }
 
 /// Each operation is one transaction in the shared database; waiting is node-local, in
-/// [`crate::engine::waiting`].
+/// [`crate::backend::waiting`].
 impl Backend for Postgres {
     fn config(&self) -> &EngineConfig {
         &self.inner.config

@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 use super::Postgres;
-use crate::engine::waiting::Resource;
+use crate::backend::waiting::Resource;
 
 pub(super) async fn listen(pg: Postgres) {
     let mut stop = pg.inner.stop.subscribe();

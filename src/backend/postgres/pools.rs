@@ -6,10 +6,10 @@ use uuid::Uuid;
 
 use super::sessions::{END_EXPIRED_ONE, END_EXPIRED_SEAT_HOLDERS};
 use super::{Fail, Postgres, transact};
+use crate::backend::waiting::{Resource, Step};
 use crate::backend::{BackendError, Granted, PoolInfo, Result, SeatHolder};
 use crate::domain::pools::MAX_CAPACITY;
 use crate::domain::{InvalidInput, PoolName, PoolPut, SeatRecord, SessionId, Token, UnixMs};
-use crate::engine::waiting::{Resource, Step};
 
 /// Serialises the creation of one pool name across nodes (a missing row cannot be locked).
 const NAME_LOCK: &str = "SELECT pg_advisory_xact_lock($1, hashtext('pool:' || $2))";

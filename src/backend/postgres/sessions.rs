@@ -7,9 +7,9 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use super::{After, PgError, Postgres, transact};
+use crate::backend::waiting::Resource;
 use crate::backend::{BackendError, Beat, Closed, OpenedSession, Result, SessionInfo, SessionPage};
 use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
-use crate::engine::waiting::Resource;
 
 /// Ends the sessions `{source}` selects (`id`, `ctid`, `reason`), already locked `FOR UPDATE` by
 /// that select, in one statement: the statement draws one revision if it ends any (it is

@@ -10,11 +10,11 @@ use parking_lot::Mutex;
 use super::schema::{self, MigrateError};
 use super::{PgSettings, Postgres, StartError};
 use crate::backend::BackendError;
+use crate::backend::EngineConfig;
 use crate::clock::ManualClock;
 use crate::domain::{
     EndReason, EventKind, Finish, JobStatus, LockKey, NewJob, SessionId, Token, UnixMs,
 };
-use crate::engine::EngineConfig;
 use crate::metrics::Metrics;
 
 fn url() -> String {
@@ -696,7 +696,7 @@ async fn waiters_are_served_in_order_across_nodes() {
         }));
         while other
             .waiting()
-            .waiting(&crate::engine::waiting::Resource::Lock(key("w")))
+            .waiting(&crate::backend::waiting::Resource::Lock(key("w")))
             < i + 1
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
