@@ -132,9 +132,11 @@ CREATE TABLE {ns}.event (
 );
 -- Both partial, so that an insert (unnumbered) touches only the second: inserting events is
 -- on the path of every mutation and of the reaper, numbering them is not.
--- Ids only order a transaction's own events (numbering follows commits, not ids), so a
--- per-connection cache of ids is harmless and saves a sequence round per event.
-ALTER SEQUENCE {ns}.event_id_seq CACHE 1000;
+-- Numbering goes by id, so ids must follow causal order: an event committed before another
+-- transaction began must get the smaller id. `nextval` gives that only without a
+-- per-connection cache (with one, a later transaction on another connection can draw a
+-- smaller id from its cached block, and its event is numbered ahead of one that happened
+-- before it). So the sequence keeps the default CACHE 1.
 CREATE UNIQUE INDEX event_seq_idx ON {ns}.event (seq) WHERE seq IS NOT NULL;
 CREATE INDEX event_unnumbered_idx ON {ns}.event (id) WHERE seq IS NULL;
 -- The last sequence number given. Kept apart from the events so that numbers never repeat
@@ -142,7 +144,7 @@ CREATE INDEX event_unnumbered_idx ON {ns}.event (id) WHERE seq IS NULL;
 CREATE TABLE {ns}.event_counter (last bigint NOT NULL);
 INSERT INTO {ns}.event_counter VALUES (0);
 
--- Numbers committed, unnumbered events in insertion order, after every number already
+-- Numbers committed, unnumbered events in id order (causal: see event_id_seq), after every number already
 -- given. Serialised by an advisory lock held to the end of the caller's transaction: a
 -- numbering transaction becomes visible before the next one can take the lock, so each
 -- sees every number given before it and a reader never sees a number before a smaller one.

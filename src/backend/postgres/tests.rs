@@ -1016,3 +1016,40 @@ async fn pool_puts_race_safely_and_shrinking_takes_no_seat() {
     h.assert_consistent().await;
     h.stop();
 }
+
+/// The audit log once showed a seat granted to the second waiter before the first: event ids
+/// came from a per-connection cache of the id sequence, so a later transaction on one
+/// connection drew a smaller id than an earlier one on another, and numbering by id put its
+/// event first. Each open below commits before the next begins, on alternating connections.
+#[tokio::test]
+async fn events_are_numbered_in_causal_order_across_connections() {
+    let h = Harness::start().await;
+    let node = |pool_size| {
+        Postgres::start(
+            config(),
+            PgSettings {
+                pool_size,
+                ..settings(&h.schema.0)
+            },
+            Arc::new(h.clock.clone()),
+            Arc::new(Metrics::new()),
+        )
+    };
+    let (a, b) = (node(1).await.unwrap(), node(1).await.unwrap());
+    let mut opened = Vec::new();
+    for i in 0..6 {
+        let n = if i % 2 == 0 { &a } else { &b };
+        opened.push(n.open("test".into(), Some(60_000), None).await.unwrap().id);
+    }
+    let logged: Vec<SessionId> = h
+        .events()
+        .await
+        .into_iter()
+        .filter(|e| e.kind == crate::domain::EventKind::SessionOpened)
+        .filter_map(|e| e.session_id)
+        .collect();
+    assert_eq!(logged, opened);
+    a.shutdown();
+    b.shutdown();
+    h.stop();
+}
