@@ -139,6 +139,7 @@ pub(crate) struct Inner {
     url: String,
     pg_config: tokio_postgres::Config,
     pool: Pool,
+    statement_timeout_ms: u64,
     statements: Mutex<HashMap<(usize, usize), Arc<str>>>,
     waiting: Waiting,
     /// Migrations have been applied (or found applied) by this node.
@@ -247,6 +248,13 @@ macro_rules! transact {
 pub(crate) use transact;
 
 impl Postgres {
+    /// The `statement_timeout` every connection runs with, in milliseconds.
+    pub(crate) fn statement_timeout_ms(&self) -> u64 {
+        self.inner.statement_timeout_ms
+    }
+}
+
+impl Postgres {
     /// Connects, applies the migrations and starts the background tasks. A database that
     /// cannot be reached is not an error: the node starts unready and keeps trying; a
     /// schema newer than this build knows is.
@@ -283,6 +291,7 @@ impl Postgres {
                 url: redact(&settings.url),
                 pg_config,
                 pool,
+                statement_timeout_ms: settings.statement_timeout_ms,
                 config,
                 metrics,
                 clock,

@@ -48,6 +48,11 @@ pub(super) async fn run(pg: Postgres) {
     let mut stop = pg.inner.stop.subscribe();
     let interval = Duration::from_millis(pg.config().reaper_interval_ms.max(1));
     let mut wait = interval;
+    let ceiling = pg.config().reaper_batch.max(1);
+    // A pass must finish well inside the statement timeout, or it is cancelled and, at the
+    // same size, cancelled again: the reaper would stall with sessions due.
+    let comfortable = Duration::from_millis(pg.statement_timeout_ms() / 4);
+    let mut size = ceiling;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
@@ -59,11 +64,11 @@ pub(super) async fn run(pg: Postgres) {
         }
         loop {
             let started = Instant::now();
-            match pg.pass(false).await {
+            match pg.pass(false, size).await {
                 Ok(Some(outcome)) => {
+                    let took = started.elapsed();
                     let m = &pg.inner.metrics;
-                    m.reaper_pass_seconds
-                        .observe(started.elapsed().as_secs_f64());
+                    m.reaper_pass_seconds.observe(took.as_secs_f64());
                     if outcome.sessions > 0 {
                         m.reaper_batch_size.observe(outcome.sessions as f64);
                         tracing::debug!(
@@ -72,14 +77,17 @@ pub(super) async fn run(pg: Postgres) {
                             "reaped expired sessions"
                         );
                     }
-                    if outcome.sessions < pg.config().reaper_batch {
+                    let full = outcome.sessions >= size;
+                    size = next_size(size, Some(took), comfortable, ceiling);
+                    if !full {
                         break;
                     }
                 }
                 // Another node's pass holds the lock: its turn.
                 Ok(None) => break,
                 Err(e) => {
-                    tracing::debug!(error = %e, "reaper pass failed");
+                    size = next_size(size, None, comfortable, ceiling);
+                    tracing::debug!(error = %e, next_pass = size, "reaper pass failed");
                     break;
                 }
             }
@@ -95,11 +103,25 @@ pub(super) async fn run(pg: Postgres) {
     }
 }
 
+/// The size of the next background pass: halved (to at least [`MIN_PASS`]) after a pass that
+/// failed — a statement timeout is the usual cause — or took longer than `comfortable`;
+/// doubled back towards `ceiling` after one that finished in under half of it.
+fn next_size(size: usize, took: Option<Duration>, comfortable: Duration, ceiling: usize) -> usize {
+    match took {
+        Some(t) if t <= comfortable / 2 => (size * 2).min(ceiling),
+        Some(t) if t <= comfortable => size,
+        _ => (size / 2).max(MIN_PASS.min(ceiling)),
+    }
+}
+
+/// The smallest pass the background reaper shrinks to.
+const MIN_PASS: usize = 64;
+
 impl Postgres {
-    /// One pass: ends up to `reaper_batch` due sessions. `None` when another node's pass
-    /// holds the reaper lock and `wait` is false.
-    pub(crate) async fn pass(&self, wait: bool) -> Result<Option<ReapOutcome>> {
-        let batch = self.config().reaper_batch.max(1) as i64;
+    /// One pass: ends up to `size` due sessions. `None` when another node's pass holds the
+    /// reaper lock and `wait` is false.
+    pub(crate) async fn pass(&self, wait: bool, size: usize) -> Result<Option<ReapOutcome>> {
+        let batch = size.max(1) as i64;
         let ended = transact!(self, |tx, after| {
             let locked = if wait {
                 self.q(&tx, LOCK, &[&self.class(), &LOCK_REAP]).await?;
@@ -128,7 +150,10 @@ impl Postgres {
     pub async fn reap_now(&self) -> Result<ReapOutcome> {
         let mut total = ReapOutcome::default();
         loop {
-            let pass = self.pass(true).await?.unwrap_or_default();
+            let pass = self
+                .pass(true, self.config().reaper_batch)
+                .await?
+                .unwrap_or_default();
             total.sessions += pass.sessions;
             total.locks += pass.locks;
             total.seats += pass.seats;
@@ -202,5 +227,40 @@ impl Postgres {
                 }
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passes_shrink_after_a_failure_or_a_slow_pass_and_grow_back_when_quick() {
+        let ok = Duration::from_millis(1_000);
+        // A failed pass (a statement timeout) halves, down to the floor and no lower.
+        assert_eq!(next_size(10_000, None, ok, 10_000), 5_000);
+        assert_eq!(next_size(100, None, ok, 10_000), 64);
+        assert_eq!(next_size(64, None, ok, 10_000), 64);
+        // So does a pass slower than comfortable.
+        assert_eq!(
+            next_size(8_000, Some(Duration::from_millis(1_200)), ok, 10_000),
+            4_000
+        );
+        // Between half and all of comfortable: keep the size.
+        assert_eq!(
+            next_size(4_000, Some(Duration::from_millis(700)), ok, 10_000),
+            4_000
+        );
+        // Quick passes double, up to the ceiling.
+        assert_eq!(
+            next_size(4_000, Some(Duration::from_millis(100)), ok, 10_000),
+            8_000
+        );
+        assert_eq!(
+            next_size(8_000, Some(Duration::from_millis(100)), ok, 10_000),
+            10_000
+        );
+        // A ceiling below the floor is the floor.
+        assert_eq!(next_size(10, None, ok, 10), 10);
     }
 }
