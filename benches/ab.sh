@@ -44,7 +44,7 @@ label() {
     python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['binary']=sys.argv[1]; print(json.dumps(r))" "$1"
 }
 drive() {
-    "$new" bench --server "http://127.0.0.1:$port" --json --quiet --clients "$clients" "$@"
+    "$new" bench --server "http://127.0.0.1:$port" --json --quiet "$@"
 }
 
 for round in $(seq 1 "$rounds"); do
@@ -55,8 +55,11 @@ for round in $(seq 1 "$rounds"); do
             echo "== round $round, $which, $workload" >&2
             start "$bin"
             case "$workload" in
-            lock-churn) drive --workload lock-churn --duration "$seconds" ;;
-            heartbeat) drive --workload heartbeat --sessions "$hb_sessions" --duration "$seconds" ;;
+            lock-churn) drive --workload lock-churn --clients "$clients" --duration "$seconds" ;;
+            heartbeat)
+                drive --workload heartbeat --clients "$clients" --sessions "$hb_sessions" \
+                    --duration "$seconds"
+                ;;
             mass-expiry) drive --workload mass-expiry --sessions "$mass_sessions" --clients 8 ;;
             esac | label "$which"
             stop
