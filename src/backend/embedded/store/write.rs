@@ -54,13 +54,18 @@ impl Store {
     }
 }
 
-/// Removes a job record's index entries, before it is rewritten or deleted.
+/// Removes the index entries of the job record found in the table (none when it was absent),
+/// before it is rewritten or deleted.
 fn unindex_job(
     by_state: &mut redb::Table<(&str, u8, u128), ()>,
     session_jobs: &mut redb::Table<(u128, u128), ()>,
     id: u128,
-    old: &JobRecord,
+    old: Option<Result<JobRecord, super::codec::CodecError>>,
 ) -> Result<(), StoreError> {
+    let Some(old) = old else {
+        return Ok(());
+    };
+    let old = old.map_err(corrupt("job"))?;
     by_state
         .remove((old.queue.as_str(), old.status.code(), id))
         .map_err(StoreError::redb)?;
@@ -179,14 +184,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                     .get(id)
                     .map_err(StoreError::redb)?
                     .map(|b| codec::decode::<JobRecord>(b.value()));
-                if let Some(old) = old {
-                    unindex_job(
-                        &mut by_state,
-                        &mut session_jobs,
-                        id,
-                        &old.map_err(corrupt("job"))?,
-                    )?;
-                }
+                unindex_job(&mut by_state, &mut session_jobs, id, old)?;
                 jobs.insert(id, codec::encode(record).as_slice())
                     .map_err(StoreError::redb)?;
                 by_state
@@ -209,14 +207,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                     .remove(id)
                     .map_err(StoreError::redb)?
                     .map(|b| codec::decode::<JobRecord>(b.value()));
-                if let Some(old) = old {
-                    unindex_job(
-                        &mut by_state,
-                        &mut session_jobs,
-                        id,
-                        &old.map_err(corrupt("job"))?,
-                    )?;
-                }
+                unindex_job(&mut by_state, &mut session_jobs, id, old)?;
                 payloads.remove(id).map_err(StoreError::redb)?;
             }
             Change::Event(event) => {
