@@ -148,7 +148,11 @@ impl LossSignal {
     /// Waits until the session is lost, and says why.
     pub async fn lost(&self) -> Loss {
         let mut rx = self.0.clone();
-        let seen = rx.wait_for(Option::is_some).await.ok().and_then(|v| v.clone());
+        let seen = rx
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|v| v.clone());
         // The sender lives in the session's shared state, dropped only after the session and
         // every guard are: then the session is over in any case.
         seen.unwrap_or(Loss::Closed)
@@ -845,7 +849,14 @@ mod tests {
             max: Duration::from_millis(1000),
             attempts: 5,
         };
-        for (retry, full) in [(0, 100), (1, 200), (2, 400), (3, 800), (4, 1000), (30, 1000)] {
+        for (retry, full) in [
+            (0, 100),
+            (1, 200),
+            (2, 400),
+            (3, 800),
+            (4, 1000),
+            (30, 1000),
+        ] {
             let d = b.delay(retry);
             let full = Duration::from_millis(full);
             assert!(d <= full && d >= full / 2, "retry {retry}: {d:?}");
