@@ -96,7 +96,11 @@ async fn guards_give_back_what_they_hold_when_dropped() {
     assert_eq!(s.get("/v1/locks/db%2Fmigrate").await.status, 404);
     assert_eq!(s.get("/v1/pools/cad").await.body["in_use"], 0);
     let j = s.get(&format!("/v1/jobs/{job}")).await;
-    assert_eq!(j.body["state"], "queued", "a dropped job goes back: {}", j.text);
+    assert_eq!(
+        j.body["state"], "queued",
+        "a dropped job goes back: {}",
+        j.text
+    );
     // What was given back is the other session's to take.
     other.lock("db/migrate").await.unwrap();
     other.seat("cad").await.unwrap();
@@ -137,7 +141,10 @@ async fn a_finished_job_is_not_handed_back() {
     job.fail("bad input").await.unwrap();
     session.settle().await;
     assert!(session.claim("q", Duration::ZERO).await.unwrap().is_none());
-    assert_eq!(s.get(&format!("/v1/jobs/{done}")).await.body["state"], "done");
+    assert_eq!(
+        s.get(&format!("/v1/jobs/{done}")).await.body["state"],
+        "done"
+    );
     assert_eq!(
         s.get(&format!("/v1/jobs/{failed}")).await.body["state"],
         "failed"
@@ -158,7 +165,11 @@ async fn heartbeat_answers_say_how_long_the_session_is_safe() {
             json!({"ttl_ms": 5000}),
         )
         .await;
-    assert!(r.body["safe_for_ms"].as_u64().unwrap() <= 5000, "{}", r.text);
+    assert!(
+        r.body["safe_for_ms"].as_u64().unwrap() <= 5000,
+        "{}",
+        r.text
+    );
     s.stop().await;
 }
 
@@ -259,7 +270,11 @@ async fn the_local_deadline_passes_before_the_server_ends_the_session() {
     assert_eq!(loss, Loss::Deadline);
     // Asked directly, the server still honours the session and the token.
     let live = s.get(&format!("/v1/sessions/{}", session.id())).await;
-    assert_eq!(live.status, 200, "the server ended the session first: {}", live.text);
+    assert_eq!(
+        live.status, 200,
+        "the server ended the session first: {}",
+        live.text
+    );
     let fence = s
         .get(&format!("/v1/fence/guarded?token={}", lock.token()))
         .await;
@@ -389,7 +404,10 @@ async fn transport_trouble_is_retried_but_session_gone_is_final() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(heartbeats(&seen), 3);
     let auth = seen.lock().authorization.clone();
-    assert!(!auth.is_empty() && auth.iter().all(|a| a == "Bearer secret-token"), "{auth:?}");
+    assert!(
+        !auth.is_empty() && auth.iter().all(|a| a == "Bearer secret-token"),
+        "{auth:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -79,7 +79,11 @@ async fn returns_the_commands_exit_code_and_hands_it_the_grant() {
         "echo \"$LEASEHOLD_TOKEN $LEASEHOLD_FENCING_TOKEN $LEASEHOLD_KEY $LEASEHOLD_SESSION\" > {}; exit 7",
         env.display()
     );
-    let (code, err) = run(&s.url(), &["--lock", "db/migrate", "--", "sh", "-c", &script]).await;
+    let (code, err) = run(
+        &s.url(),
+        &["--lock", "db/migrate", "--", "sh", "-c", &script],
+    )
+    .await;
     assert_eq!(code, 7, "{err}");
     let seen: Vec<String> = read(&env).split_whitespace().map(String::from).collect();
     let events = all_events(&s).await;
@@ -146,12 +150,17 @@ async fn refuses_with_its_code_when_the_lock_stays_held_past_the_wait() {
     let script = format!("touch {}", marker.display());
     let (code, err) = run(
         &s.url(),
-        &["--lock", "nightly", "--wait", "300ms", "--", "sh", "-c", &script],
+        &[
+            "--lock", "nightly", "--wait", "300ms", "--", "sh", "-c", &script,
+        ],
     )
     .await;
     assert_eq!(code, 75, "{err}");
     assert!(err.contains("not obtained in time"), "{err}");
-    assert!(!marker.exists(), "the command must not run without the lock");
+    assert!(
+        !marker.exists(),
+        "the command must not run without the lock"
+    );
     s.stop().await;
 }
 
@@ -234,7 +243,16 @@ async fn runs_of_one_key_never_overlap() {
         .map(|_| {
             spawn_run(
                 &s.url(),
-                &["--lock", "exclusive", "--wait", "30s", "--", "sh", "-c", &script],
+                &[
+                    "--lock",
+                    "exclusive",
+                    "--wait",
+                    "30s",
+                    "--",
+                    "sh",
+                    "-c",
+                    &script,
+                ],
             )
         })
         .collect();
