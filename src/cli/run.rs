@@ -15,7 +15,6 @@ use clap::{ArgGroup, Args};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::ServerArg;
 use crate::client::{Client, Error, LockGuard, SeatGuard, Session};
 
 /// Exit codes of `leasehold run` itself; any other code is the child's. Kept apart from the
@@ -38,9 +37,24 @@ pub mod exit {
 
 #[derive(Args)]
 #[command(group(ArgGroup::new("grant").required(true).multiple(true).args(["lock", "seats"])))]
+#[command(after_help = "\
+The command gets LEASEHOLD_TOKEN and LEASEHOLD_FENCING_TOKEN (the lock's fencing token, or the
+first seat's), LEASEHOLD_KEY, LEASEHOLD_SESSION and, with --seat, LEASEHOLD_SEAT_TOKENS.
+
+Exit status: the command's own, or 128+N if signal N ended it; otherwise
+  2    bad arguments, or a key or pool the server refused
+  69   the server could not be reached or would not open a session
+  75   the lock or a seat was not obtained within --wait
+  79   the lease was lost and the command was stopped
+  126  the command could not be started;  127  the command was not found")]
 pub struct RunArgs {
-    #[command(flatten)]
-    server: ServerArg,
+    /// The server's base URL.
+    #[arg(
+        long,
+        env = "LEASEHOLD_SERVER",
+        default_value = "http://127.0.0.1:7878"
+    )]
+    server: String,
     /// API token, sent as `Authorization: Bearer …`.
     #[arg(long, env = "LEASEHOLD_API_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -162,7 +176,7 @@ async fn run_async(args: RunArgs) -> ExitCode {
     if args.ttl.is_zero() {
         return fail("--ttl must be above zero", exit::USAGE);
     }
-    let client = match Client::new(&args.server.server).and_then(|c| c.with_token(args.token)) {
+    let client = match Client::new(&args.server).and_then(|c| c.with_token(args.token)) {
         Ok(c) => c,
         Err(e) => return fail(&e.to_string(), exit::USAGE),
     };
