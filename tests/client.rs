@@ -130,6 +130,24 @@ async fn guards_give_back_when_their_task_panics() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_session_is_closed_and_gives_back_everything() {
+    let s = TestServer::start().await;
+    let session = session(&s.url(), 60_000).await;
+    let id = session.id().to_string();
+    let lock = session.lock("left-behind").await.unwrap();
+    drop(session);
+    // The guard outlived its session: dropping it now queues nothing that could fail loudly.
+    drop(lock);
+    let path = format!("/v1/sessions/{id}");
+    eventually(async || s.get(&path).await.status == 404).await;
+    assert_eq!(s.get("/v1/locks/left-behind").await.status, 404);
+    let events = common::all_events(&s).await;
+    let closed = common::of_kind(&events, "session_closed");
+    assert_eq!(closed.len(), 1, "closed by the client, not expired");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_finished_job_is_not_handed_back() {
     let s = TestServer::start().await;
     let done = enqueue(&s, "q").await;
