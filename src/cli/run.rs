@@ -206,14 +206,14 @@ async fn run_async(args: RunArgs) -> ExitCode {
     let grants = tokio::select! {
         g = take_grants(&session, args.lock.as_deref(), &args.seats, args.wait) => g,
         Some(sig) = signals.recv() => {
-            let _ = session.close().await;
+            let _ = close(session, args.ttl).await;
             return ExitCode::from(128u8.saturating_add(sig as u8));
         }
     };
     let (lock, seats) = match grants {
         Ok(g) => g,
         Err((message, code)) => {
-            let _ = session.close().await;
+            let _ = close(session, args.ttl).await;
             return fail(&message, code);
         }
     };
@@ -242,7 +242,7 @@ async fn run_async(args: RunArgs) -> ExitCode {
     let mut child = match command.spawn() {
         Ok(c) => c,
         Err(e) => {
-            let _ = session.close().await;
+            let _ = close(session, args.ttl).await;
             let code = if e.kind() == std::io::ErrorKind::NotFound {
                 exit::NOT_FOUND
             } else {
@@ -282,14 +282,14 @@ async fn run_async(args: RunArgs) -> ExitCode {
                         let _ = (&mut exited).await;
                     }
                 }
-                let _ = session.close().await;
+                let _ = close(session, args.ttl).await;
                 return ExitCode::from(exit::LEASE_LOST);
             }
         }
     };
     // Everything is released by the close, in one transaction; the guards live until after it
     // so that they queue no releases of their own.
-    let closed = session.close().await;
+    let closed = close(session, args.ttl).await;
     drop((lock, seats));
     if let Err(e) = closed {
         eprintln!("leasehold run: the session could not be closed ({e}); it ends at its TTL");
@@ -304,6 +304,16 @@ async fn run_async(args: RunArgs) -> ExitCode {
             }
         }
         _ => fail("lost track of the command", exit::CANNOT_RUN),
+    }
+}
+
+/// Closes the session, giving up after `ttl`: by then the server ends it by itself, and a
+/// server that does not answer must not keep `run` from returning the command's status.
+async fn close(session: Session, ttl: Duration) -> Result<(), String> {
+    match tokio::time::timeout(ttl, session.close()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {ttl:?}")),
     }
 }
 

@@ -168,6 +168,7 @@ class Session:
         self._loss = None
         self._on_lost = on_lost
         self._stop = threading.Event()
+        self._inflight = None
         body = {"owner": owner, "ttl_ms": int(ttl * 1000)}
         if metadata is not None:
             body["metadata"] = metadata
@@ -261,6 +262,9 @@ class Session:
             # is stuck; a late answer is then ignored.
             outcome = {}
             done = threading.Event()
+            # close() sets it too, so that a heartbeat stuck on the network does not hold up
+            # the close until the deadline.
+            self._inflight = done
             threading.Thread(target=self._beat, args=(outcome, done), daemon=True).start()
             done.wait(max(0.0, deadline - time.monotonic()))
             if self._stop.is_set():
@@ -362,6 +366,8 @@ class Session:
         if self._stop.is_set():
             return
         self._stop.set()
+        if self._inflight is not None:
+            self._inflight.set()
         self._thread.join()
         try:
             for attempt in range(self._backoff.attempts):
