@@ -34,8 +34,9 @@
 //!   cap and a graceful drain.
 //! - [`app`]: wiring of backend, engine, router and server; [`cli`]: the command line;
 //!   [`config`]: settings validated at start-up; [`clock`]: the only place that reads time;
-//!   [`metrics`]: every metric in one place; [`client`] and [`loadgen`]: the HTTP client
-//!   and the load generator behind `leasehold bench`.
+//!   [`metrics`]: every metric in one place; [`client`]: the Rust client (the plain HTTP
+//!   client, and sessions with a background heartbeat, a local deadline and guards), which
+//!   uses none of the server's code; [`loadgen`]: the load generator behind `leasehold bench`.
 
 pub mod api;
 pub mod app;

@@ -61,6 +61,11 @@ struct HeartbeatRequest {
 struct HeartbeatResponse {
     expires_at: u64,
     ttl_ms: u64,
+    /// How long, from this answer, the server honours the session at least: the TTL less the
+    /// time spent handling the heartbeat (the deadline was set during that time, so it lies at
+    /// least this far ahead). A client counting it from its own send time stays on the safe
+    /// side of the server's deadline.
+    safe_for_ms: u64,
 }
 
 async fn heartbeat(
@@ -68,10 +73,14 @@ async fn heartbeat(
     SessionPath(id): SessionPath,
     Body(req): Body<HeartbeatRequest>,
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
+    let started = std::time::Instant::now();
     let beat = app.engine.heartbeat(id, req.ttl_ms).await?;
+    // Rounded up, so that the figure never overstates what is left.
+    let spent_ms = started.elapsed().as_micros().div_ceil(1000) as u64;
     Ok(Json(HeartbeatResponse {
         expires_at: ms(beat.expires_at),
         ttl_ms: beat.ttl_ms,
+        safe_for_ms: beat.ttl_ms.saturating_sub(spent_ms),
     }))
 }
 

@@ -4,6 +4,7 @@
 mod bench;
 mod check;
 mod remote;
+mod run;
 mod serve;
 
 use std::net::SocketAddr;
@@ -97,6 +98,8 @@ enum Command {
     },
     /// Generate load against a running server and report throughput and latency.
     Bench(bench::BenchArgs),
+    /// Run a command while holding a lock and/or seats; stop it if the lease is lost.
+    Run(Box<run::RunArgs>),
     /// Run a reaper pass now, or with --dry-run list what it would end.
     Reap {
         #[command(flatten)]
@@ -348,6 +351,7 @@ pub fn run(cli: Cli) -> ExitCode {
         }
         Command::Jobs { server, action } => remote::block_on(remote::jobs(&server.server, action)),
         Command::Bench(args) => bench::run(args),
+        Command::Run(args) => run::run(*args),
         Command::Reap { server, dry_run } => {
             remote::block_on(remote::reap(&server.server, dry_run))
         }

@@ -1,4 +1,5 @@
-//! A small HTTP client for the API, used by the command-line tools and the tests.
+//! The plain HTTP client: one call, one answer, no retries. The sessions and guards of
+//! [`super::Session`] are built on it; the command-line tools and the tests use it directly.
 
 use std::time::Duration;
 
@@ -20,6 +21,8 @@ pub enum ClientError {
     Timeout(Duration),
     #[error("the server sent a body that is not JSON: {0}")]
     NotJson(String),
+    #[error("the API token holds a character not allowed in an HTTP header")]
+    Token,
 }
 
 /// A response: status and JSON body (`Value::Null` when the body is empty).
@@ -35,6 +38,8 @@ pub struct Client {
     base: String,
     http: HyperClient<HttpConnector, Full<Bytes>>,
     timeout: Duration,
+    /// Sent as `Authorization: Bearer …` with every request when set.
+    bearer: Option<String>,
 }
 
 /// Percent-encodes one path segment (a lock key), `/` included.
@@ -57,7 +62,29 @@ impl Client {
             base,
             http: HyperClient::builder(TokioExecutor::new()).build(connector),
             timeout: Duration::from_secs(120),
+            bearer: None,
         })
+    }
+
+    /// The same client, sending `token` as `Authorization: Bearer <token>` with every
+    /// request (`None` or an empty token sends no header). A token that cannot be a header
+    /// value (a control character, a non-ASCII byte) is refused here rather than on every call.
+    pub fn with_token(mut self, token: Option<String>) -> Result<Client, ClientError> {
+        let token = token.filter(|t| !t.is_empty());
+        if let Some(t) = &token
+            && hyper::header::HeaderValue::from_str(&format!("Bearer {t}")).is_err()
+        {
+            return Err(ClientError::Token);
+        }
+        self.bearer = token;
+        Ok(self)
+    }
+
+    /// The same client with another per-request timeout (default 120 s, which must exceed
+    /// the longest `wait_ms` asked for).
+    pub fn with_timeout(mut self, timeout: Duration) -> Client {
+        self.timeout = timeout;
+        self
     }
 
     pub fn base(&self) -> &str {
@@ -71,10 +98,14 @@ impl Client {
         body: Option<&Value>,
     ) -> Result<Reply, ClientError> {
         let bytes = body.map(|b| b.to_string()).unwrap_or_default();
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(method)
             .uri(format!("{}{}", self.base, path))
-            .header("content-type", "application/json")
+            .header("content-type", "application/json");
+        if let Some(token) = &self.bearer {
+            req = req.header("authorization", format!("Bearer {token}"));
+        }
+        let req = req
             .body(Full::new(Bytes::from(bytes)))
             .map_err(|e| ClientError::Url(path.to_string(), e.to_string()))?;
         let fut = async {
