@@ -417,7 +417,18 @@ impl Postgres {
             self.end_in(&tx, &mut after, &END_ONE, &[&id.0, &reason.as_str()])
                 .await?
         })?;
-        Ok(ended.closed())
+        let closed = ended.closed();
+        if let Some(c) = &closed {
+            tracing::info!(
+                session = %id.log_prefix(),
+                reason = reason.as_str(),
+                locks = c.released,
+                seats = c.seats,
+                jobs = c.jobs,
+                "session ended"
+            );
+        }
+        Ok(closed)
     }
 
     /// A live session and what it holds. One past its deadline is ended before `None`.
