@@ -1,5 +1,7 @@
-# Creates the service user; the unit's StateDirectory creates /var/lib/leasehold.
-getent group leasehold >/dev/null || groupadd --system leasehold
-getent passwd leasehold >/dev/null || useradd --system --gid leasehold \
-    --home-dir /var/lib/leasehold --no-create-home --shell /sbin/nologin leasehold
-if command -v systemctl >/dev/null 2>&1; then systemctl daemon-reload || true; fi
+# The data directory, /var/lib/leasehold, owned by the service user with mode 0750 (what the
+# unit's StateDirectory= also asks for); an existing one (an upgrade) is left as it is.
+if [ ! -d /var/lib/leasehold ]; then
+    install -d -o leasehold -g leasehold -m 0750 /var/lib/leasehold
+fi
+if command -v systemctl >/dev/null 2>&1; then systemctl daemon-reload >/dev/null 2>&1 || true; fi
+exit 0
