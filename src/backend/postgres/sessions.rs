@@ -406,10 +406,21 @@ impl Postgres {
 
     /// Ends `id` if it is past its deadline.
     pub(crate) async fn end_if_expired(&self, id: SessionId) -> Result<()> {
-        transact!(self, |tx, after| {
+        let ended = transact!(self, |tx, after| {
             self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
-                .await?;
-        })
+                .await?
+        })?;
+        if ended.sessions() > 0 {
+            tracing::info!(
+                session = %id.log_prefix(),
+                reason = EndReason::Expired.as_str(),
+                locks = ended.locks,
+                seats = ended.seats,
+                jobs = ended.recovered + ended.failed.len(),
+                "session ended"
+            );
+        }
+        Ok(())
     }
 
     pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
