@@ -36,6 +36,16 @@ pub struct RouteLabel {
     pub route: String,
 }
 
+/// The `reason` values of `leasehold_sessions_ended_total` (`EndReason::as_str`).
+pub const SESSION_END_REASONS: [&str; 3] = ["closed", "expired", "admin"];
+
+/// The `reason` values of `leasehold_jobs_failed_total`.
+pub const JOB_FAIL_REASONS: [&str; 3] = [
+    crate::domain::jobs::REASON_MAX_RECOVERIES,
+    crate::domain::jobs::REASON_NOT_IDEMPOTENT,
+    "worker",
+];
+
 fn latency_buckets() -> impl Iterator<Item = f64> {
     // 50 µs … ~3.3 s
     exponential_buckets(0.000_05, 2.0, 17)
@@ -52,6 +62,8 @@ pub struct Metrics {
     pub locks_held: Gauge,
     pub waiters: Gauge,
     pub store_failed: Gauge,
+    /// Set from the engine's readiness at each scrape.
+    pub ready: Gauge,
     pub sessions_opened: Counter,
     pub sessions_ended: Family<ReasonLabel, Counter>,
     pub locks_acquired: Counter,
@@ -84,6 +96,7 @@ impl Metrics {
             locks_held: Gauge::default(),
             waiters: Gauge::default(),
             store_failed: Gauge::default(),
+            ready: Gauge::default(),
             sessions_opened: Counter::default(),
             sessions_ended: Family::default(),
             locks_acquired: Counter::default(),
@@ -123,6 +136,11 @@ impl Metrics {
             "store_failed",
             "1 once a storage write failed and writes are refused (fail-stop)",
             m.store_failed.clone(),
+        );
+        registry.register(
+            "ready",
+            "1 while writes are accepted (GET /readyz answers 200), else 0",
+            m.ready.clone(),
         );
         registry.register(
             "sessions_opened",
@@ -222,6 +240,18 @@ impl Metrics {
             "Time from a claim request to the job it got",
             m.claim_wait_seconds.clone(),
         );
+        // Every value of a labelled counter exists from start-up, at zero: a rate or an
+        // alert over it then sees a series before the first increment, not an absent one.
+        for reason in SESSION_END_REASONS {
+            let _ = m.sessions_ended.get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            });
+        }
+        for reason in JOB_FAIL_REASONS {
+            let _ = m.jobs_failed.get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            });
+        }
         Metrics { registry, ..m }
     }
 
@@ -291,5 +321,18 @@ mod tests {
         assert!(text.contains("leasehold_sessions_opened_total 1"), "{text}");
         assert!(text.contains("leasehold_sessions_ended_total{reason=\"expired\"} 1"));
         assert!(text.contains("leasehold_sessions_active"));
+    }
+
+    #[test]
+    fn labelled_counters_start_at_zero() {
+        let text = Metrics::new().render();
+        for reason in SESSION_END_REASONS {
+            let line = format!("leasehold_sessions_ended_total{{reason=\"{reason}\"}} 0");
+            assert!(text.contains(&line), "{line} missing:\n{text}");
+        }
+        for reason in JOB_FAIL_REASONS {
+            let line = format!("leasehold_jobs_failed_total{{reason=\"{reason}\"}} 0");
+            assert!(text.contains(&line), "{line} missing:\n{text}");
+        }
     }
 }

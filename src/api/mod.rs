@@ -66,6 +66,14 @@ async fn observe(State(app): State<AppState>, req: Request, next: Next) -> Respo
         .unwrap_or_else(|| "unmatched".to_owned());
     let method = req.method().as_str().to_owned();
     let response = next.run(req).await.into_response();
+    // The route template, never the path: a path can carry a session id, a capability.
+    tracing::debug!(
+        route = %route,
+        method = %method,
+        status = response.status().as_u16(),
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "request"
+    );
     let m = app.engine.metrics();
     m.requests
         .get_or_create(&RequestLabels {

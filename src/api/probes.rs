@@ -33,6 +33,10 @@ async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
 }
 
 async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
+    app.engine
+        .metrics()
+        .ready
+        .set(i64::from(app.engine.ready()));
     (
         [(
             header::CONTENT_TYPE,

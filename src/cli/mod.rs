@@ -3,6 +3,8 @@
 
 mod bench;
 mod check;
+mod generate;
+mod notify;
 mod remote;
 mod run;
 mod serve;
@@ -106,6 +108,28 @@ enum Command {
         server: ServerArg,
         #[arg(long)]
         dry_run: bool,
+    },
+    /// Write the manual pages or the shell completions (used by the package build).
+    #[command(hide = true)]
+    Generate {
+        #[command(subcommand)]
+        what: GenerateWhat,
+    },
+}
+
+#[derive(Subcommand)]
+enum GenerateWhat {
+    /// A page for `leasehold` and for each subcommand, in section 1.
+    Man {
+        /// Directory to write into (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// bash, zsh and fish completions.
+    Completions {
+        /// Directory to write into (created if missing).
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -355,6 +379,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Reap { server, dry_run } => {
             remote::block_on(remote::reap(&server.server, dry_run))
         }
+        Command::Generate { what } => generate::run(what),
     }
 }
 

@@ -66,7 +66,13 @@ pub fn run(args: ServeArgs) -> ExitCode {
                 "leasehold is serving"
             ),
         }
-        app.serve_until(shutdown_signal()).await;
+        // Bound and open: systemd (Type=notify) may now count the service as started.
+        super::notify::notify("READY=1");
+        app.serve_until(async {
+            shutdown_signal().await;
+            super::notify::notify("STOPPING=1");
+        })
+        .await;
         tracing::info!("stopped");
         ExitCode::SUCCESS
     })

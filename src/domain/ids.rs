@@ -34,6 +34,14 @@ impl SessionId {
             .map(SessionId)
             .map_err(|_| InvalidInput::new(field, "must be a session id (a UUID)"))
     }
+
+    /// What logs may show of the id: its first eight hex digits (32 random bits), enough to
+    /// find the session in the audit log, far too few to act for it.
+    pub fn log_prefix(self) -> String {
+        let mut text = self.to_string();
+        text.truncate(8);
+        text
+    }
 }
 
 impl fmt::Display for SessionId {

@@ -72,11 +72,13 @@ pub fn spawn(shared: Arc<Shared>, writer: Sender<Command>) -> std::io::Result<Re
                         let m = &shared.metrics;
                         m.reaper_pass_seconds
                             .observe(last_pass.elapsed().as_secs_f64());
+                        // One line per pass that ended someone (each session has its own
+                        // line too); passes that found nothing due are only counted.
                         if outcome.sessions > 0 {
-                            // Per pass, and a storm takes many: the metrics count them.
-                            tracing::debug!(
+                            tracing::info!(
                                 sessions = outcome.sessions,
                                 locks = outcome.locks,
+                                pass_ms = last_pass.elapsed().as_millis() as u64,
                                 "reaped expired sessions"
                             );
                         }

@@ -6,6 +6,30 @@ use std::collections::BTreeSet;
 use crate::domain::{Change, EndReason, Ended, JobOutcome, PoolName, QueueName, State};
 use crate::metrics::{Metrics, ReasonLabel};
 
+/// The log line of one ended session, written once its batch has committed.
+pub struct EndLine {
+    /// The id's first eight hex digits, never the whole id: the id is a capability, and 32 of
+    /// its 122 random bits are enough to find it in the audit log and too few to act with.
+    session: String,
+    reason: EndReason,
+    locks: usize,
+    seats: usize,
+    jobs: usize,
+}
+
+impl EndLine {
+    pub fn log(&self) {
+        tracing::info!(
+            session = %self.session,
+            reason = self.reason.as_str(),
+            locks = self.locks,
+            seats = self.seats,
+            jobs = self.jobs,
+            "session ended"
+        );
+    }
+}
+
 /// Counts to add to the metrics once the batch has committed, and the pools and queues
 /// whose gauges need refreshing then.
 #[derive(Default)]
@@ -21,6 +45,8 @@ pub struct Tally {
     pub jobs_failed: Vec<String>,
     touched_pools: BTreeSet<PoolName>,
     touched_queues: BTreeSet<QueueName>,
+    /// One per session ended in the batch; logged after the replies, off the state lock.
+    pub ends: Vec<EndLine>,
 }
 
 impl Tally {
@@ -32,6 +58,13 @@ impl Tally {
             EndReason::Admin => 2,
         };
         self.ended[i] += 1;
+        self.ends.push(EndLine {
+            session: e.id.log_prefix(),
+            reason: e.reason,
+            locks: e.released.len(),
+            seats: e.seats.len(),
+            jobs: e.jobs.len(),
+        });
         if e.reason == EndReason::Expired {
             self.released_by_expiry += e.released.len() as u64;
         }

@@ -188,12 +188,19 @@ impl Writer {
         self.trim_events = false;
         // A pass whose batch had nothing to commit (it ended no one) teaches nothing.
         self.paced = None;
+        // A failed batch ended nobody durably: its lines are dropped with its tally.
+        let mut ends = Vec::new();
         if !failed {
-            let tally = std::mem::take(&mut self.tally);
+            let mut tally = std::mem::take(&mut self.tally);
+            ends = std::mem::take(&mut tally.ends);
             tally.publish(&shared.metrics, &shared.state.lock());
         }
         for p in self.pending.drain(..) {
             p(failed);
+        }
+        // After the replies, so that writing the log never delays an answer.
+        for line in &ends {
+            line.log();
         }
         if failed {
             let drained = shared.waiters.lock().drain();

@@ -71,9 +71,10 @@ pub(super) async fn run(pg: Postgres) {
                     m.reaper_pass_seconds.observe(took.as_secs_f64());
                     if outcome.sessions > 0 {
                         m.reaper_batch_size.observe(outcome.sessions as f64);
-                        tracing::debug!(
+                        tracing::info!(
                             sessions = outcome.sessions,
                             locks = outcome.locks,
+                            pass_ms = took.as_millis() as u64,
                             "reaped expired sessions"
                         );
                     }
@@ -87,13 +88,13 @@ pub(super) async fn run(pg: Postgres) {
                 Ok(None) => break,
                 Err(e) => {
                     size = next_size(size, None, comfortable, ceiling);
-                    tracing::debug!(error = %e, next_pass = size, "reaper pass failed");
+                    tracing::warn!(error = %e, next_pass = size, "reaper pass failed");
                     break;
                 }
             }
         }
         if let Err(e) = pg.retention().await {
-            tracing::debug!(error = %e, "retention pass failed");
+            tracing::warn!(error = %e, "retention pass failed");
         }
         if let Ok(Some(row)) = pg.query_opt(NEXT_DUE, &[], true).await
             && let Some(ms) = row.get::<_, Option<i64>>(0)

@@ -406,10 +406,21 @@ impl Postgres {
 
     /// Ends `id` if it is past its deadline.
     pub(crate) async fn end_if_expired(&self, id: SessionId) -> Result<()> {
-        transact!(self, |tx, after| {
+        let ended = transact!(self, |tx, after| {
             self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
-                .await?;
-        })
+                .await?
+        })?;
+        if ended.sessions() > 0 {
+            tracing::info!(
+                session = %id.log_prefix(),
+                reason = EndReason::Expired.as_str(),
+                locks = ended.locks,
+                seats = ended.seats,
+                jobs = ended.recovered + ended.failed.len(),
+                "session ended"
+            );
+        }
+        Ok(())
     }
 
     pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
@@ -417,7 +428,18 @@ impl Postgres {
             self.end_in(&tx, &mut after, &END_ONE, &[&id.0, &reason.as_str()])
                 .await?
         })?;
-        Ok(ended.closed())
+        let closed = ended.closed();
+        if let Some(c) = &closed {
+            tracing::info!(
+                session = %id.log_prefix(),
+                reason = reason.as_str(),
+                locks = c.released,
+                seats = c.seats,
+                jobs = c.jobs,
+                "session ended"
+            );
+        }
+        Ok(closed)
     }
 
     /// A live session and what it holds. One past its deadline is ended before `None`.

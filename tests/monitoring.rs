@@ -1,0 +1,383 @@
+//! What an operator watches, against the real binary: the metrics the packaged alert rules
+//! and dashboard use are really exported, labelled counters exist from start-up at zero,
+//! systemd hears READY=1 and STOPPING=1, and the logs (text or JSON) have a line per
+//! session end and per request at debug without ever carrying a whole session id or a token.
+//!
+//! Every wait here is a bound on a poll (the server is up, a datagram came), never a timing
+//! assertion.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+struct Server {
+    child: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Server {
+    /// Starts `leasehold serve` on a free port with `extra` flags, stderr into `log`, and
+    /// `NOTIFY_SOCKET` pointing at `notify` when given; waits (bounded) for /readyz.
+    fn start(dir: &Path, log: &Path, notify: Option<&Path>, extra: &[&str]) -> Server {
+        for _ in 0..20 {
+            let port = {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                l.local_addr().unwrap().port()
+            };
+            let stderr = std::fs::File::create(log).unwrap();
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
+            cmd.arg("serve")
+                .arg("--listen")
+                .arg(format!("127.0.0.1:{port}"))
+                .arg("--data-dir")
+                .arg(dir.join("data"))
+                .args(["--cache-size-bytes", "4194304"])
+                .args(extra)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(stderr)
+                .env_remove("NOTIFY_SOCKET");
+            for (name, _) in std::env::vars_os() {
+                if name.to_string_lossy().starts_with("LEASEHOLD_") {
+                    cmd.env_remove(name);
+                }
+            }
+            if let Some(path) = notify {
+                cmd.env("NOTIFY_SOCKET", path);
+            }
+            let child = cmd.spawn().expect("spawn leasehold serve");
+            let mut server = Server {
+                child,
+                port,
+                log: log.to_path_buf(),
+            };
+            let deadline = Instant::now() + READY_TIMEOUT;
+            loop {
+                if let Some(status) = server.child.try_wait().unwrap() {
+                    let text = std::fs::read_to_string(log).unwrap_or_default();
+                    if text.contains("cannot listen") {
+                        break;
+                    }
+                    panic!("leasehold serve exited with {status}:\n{text}");
+                }
+                if matches!(server.request("GET", "/readyz", None), Ok((200, _))) {
+                    return server;
+                }
+                assert!(Instant::now() < deadline, "not ready in {READY_TIMEOUT:?}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        panic!("found no free port in 20 attempts");
+    }
+
+    /// One HTTP/1.1 request on its own connection: (status, body).
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> std::io::Result<(u16, String)> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let body = body.unwrap_or("");
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut raw = String::new();
+        s.read_to_string(&mut raw)?;
+        let status = raw
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let (head, rest) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        };
+        Ok((status, body))
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
+        let (status, text) = self.request(method, path, body).unwrap();
+        assert!(
+            (200..300).contains(&status),
+            "{method} {path}: {status} {text}"
+        );
+        serde_json::from_str(&text).unwrap_or(serde_json::Value::Null)
+    }
+
+    fn metrics(&self) -> String {
+        let (status, text) = self.request("GET", "/metrics", None).unwrap();
+        assert_eq!(status, 200, "{text}");
+        text
+    }
+
+    /// SIGTERM, then the exit status (bounded wait).
+    fn stop(mut self) -> (ExitStatus, String) {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                let log = std::fs::read_to_string(&self.log).unwrap();
+                return (status, log);
+            }
+            assert!(Instant::now() < deadline, "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn dechunk(mut rest: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = &tail[n + 2..];
+    }
+    out
+}
+
+/// Every sample name and every `# TYPE` name in an exposition.
+fn exported(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            names.insert(rest.split(' ').next().unwrap().to_string());
+        } else if !line.starts_with('#') && !line.is_empty() {
+            let end = line.find(['{', ' ']).unwrap_or(line.len());
+            names.insert(line[..end].to_string());
+        }
+    }
+    names
+}
+
+/// Every `leasehold_…` name in a file.
+fn names_in(path: &Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut names = BTreeSet::new();
+    let mut rest = text.as_str();
+    while let Some(i) = rest.find("leasehold_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.insert(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
+/// The counters of the metrics table in docs/operations.md whose label values are listed
+/// (`reason` = `closed` \| `expired` \| `admin`): (metric, label, values).
+fn documented_labelled_counters() -> Vec<(String, String, Vec<String>)> {
+    let doc = std::fs::read_to_string(manifest().join("docs/operations.md")).unwrap();
+    let mut out = Vec::new();
+    for row in doc.lines().filter(|l| l.starts_with("| `leasehold_")) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        if cells.len() < 3 || cells[1].trim() != "counter" {
+            continue;
+        }
+        let name = cells[0]
+            .trim_start_matches("| ")
+            .trim_matches('`')
+            .to_string();
+        let labels = cells[2];
+        let Some((label, values)) = labels.split_once("` = ") else {
+            continue;
+        };
+        let values: Vec<String> = values
+            .split("\\|")
+            .map(|v| v.trim().trim_matches('`').to_string())
+            .collect();
+        out.push((name, label.trim_matches('`').to_string(), values));
+    }
+    out
+}
+
+fn manifest() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn notify_socket(dir: &Path) -> (PathBuf, UnixDatagram) {
+    let path = dir.join("notify");
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(READY_TIMEOUT)).unwrap();
+    (path, sock)
+}
+
+fn recv(sock: &UnixDatagram) -> String {
+    let mut buf = [0u8; 256];
+    let n = sock
+        .recv(&mut buf)
+        .expect("a notification within the bound");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn every_metric_the_rules_and_dashboard_use_is_exported() {
+    let dir = tempfile::tempdir().unwrap();
+    let (notify, sock) = notify_socket(dir.path());
+    let server = Server::start(dir.path(), &dir.path().join("log"), Some(&notify), &[]);
+    assert_eq!(recv(&sock), "READY=1");
+
+    // From start-up, before anything happened: every documented labelled counter, at zero.
+    let first = server.metrics();
+    let documented = documented_labelled_counters();
+    assert!(
+        documented
+            .iter()
+            .any(|(n, _, _)| n == "leasehold_sessions_ended_total"),
+        "the metrics table in docs/operations.md was not read: {documented:?}"
+    );
+    for (name, label, values) in &documented {
+        for v in values {
+            let line = format!("{name}{{{label}=\"{v}\"}} 0");
+            assert!(
+                first.lines().any(|l| l == line),
+                "{line} missing at start-up:\n{first}"
+            );
+        }
+    }
+    assert!(first.lines().any(|l| l == "leasehold_ready 1"), "{first}");
+
+    // Per-pool, per-queue and per-route series exist once there is a pool, a queue and a
+    // request to report on (the first scrape was one).
+    server.ok("PUT", "/v1/pools/licences", Some(r#"{"capacity":2}"#));
+    server.ok(
+        "POST",
+        "/v1/queues/reports/jobs",
+        Some(r#"{"payload":null}"#),
+    );
+    let names = exported(&server.metrics());
+    let mut missing = Vec::new();
+    for file in [
+        "packaging/monitoring/leasehold-rules.yml",
+        "packaging/monitoring/leasehold-dashboard.json",
+    ] {
+        let used = names_in(&manifest().join(file));
+        assert!(used.len() > 5, "{file}: only {used:?}");
+        for name in used {
+            if !names.contains(&name) {
+                missing.push(format!("{file}: {name}"));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "not exported: {missing:?}\n{names:?}");
+
+    let (status, _) = server.stop();
+    assert!(status.success(), "{status}");
+    assert_eq!(recv(&sock), "STOPPING=1");
+}
+
+/// Opens a session, takes a lock, closes the session; returns the session id.
+fn session_with_a_lock(server: &Server) -> String {
+    let opened = server.ok("POST", "/v1/sessions", Some(r#"{"owner":"monitoring"}"#));
+    let sid = opened["session_id"].as_str().unwrap().to_string();
+    let body = format!(r#"{{"session_id":"{sid}"}}"#);
+    let grant = server.ok("POST", "/v1/locks/monitoring/acquire", Some(&body));
+    assert!(grant["token"].as_u64().is_some(), "{grant}");
+    server.ok("DELETE", &format!("/v1/sessions/{sid}"), None);
+    sid
+}
+
+#[test]
+fn json_logs_have_a_line_per_session_end_and_request_and_no_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        dir.path(),
+        &dir.path().join("log"),
+        None,
+        &["--log-format", "json", "--log-level", "debug"],
+    );
+    let sid = session_with_a_lock(&server);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status}\n{log}");
+
+    let mut ended = Vec::new();
+    let mut requests = Vec::new();
+    for line in log.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        let fields = &v["fields"];
+        for key in fields.as_object().unwrap().keys() {
+            assert!(!key.contains("token"), "a token field in the log: {line}");
+        }
+        match fields["message"].as_str() {
+            Some("session ended") => ended.push(v.clone()),
+            Some("request") => requests.push(v.clone()),
+            _ => {}
+        }
+    }
+    assert!(
+        !log.contains(&sid),
+        "the whole session id is in the log:\n{log}"
+    );
+    assert_eq!(ended.len(), 1, "{log}");
+    let e = &ended[0]["fields"];
+    assert_eq!(e["reason"], "closed");
+    assert_eq!(e["locks"], 1);
+    assert_eq!(e["session"], &sid[..8]);
+    assert_eq!(ended[0]["level"], "INFO");
+    // Requests at debug, by route template: the path with the session id is never logged.
+    let closes: Vec<_> = requests
+        .iter()
+        .filter(|r| r["fields"]["route"] == "/v1/sessions/{id}")
+        .collect();
+    assert_eq!(closes.len(), 1, "{log}");
+    assert_eq!(closes[0]["level"], "DEBUG");
+    assert_eq!(closes[0]["fields"]["method"], "DELETE");
+}
+
+#[test]
+fn text_logs_at_info_leave_requests_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        dir.path(),
+        &dir.path().join("log"),
+        None,
+        &["--log-format", "text", "--log-level", "info"],
+    );
+    let sid = session_with_a_lock(&server);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status}\n{log}");
+    assert!(!log.contains(&sid), "{log}");
+    assert!(!log.contains('\u{1b}'), "colour codes in the log: {log:?}");
+    let ended: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("session ended"))
+        .collect();
+    assert_eq!(ended.len(), 1, "{log}");
+    assert!(ended[0].contains("INFO"), "{}", ended[0]);
+    assert!(ended[0].contains("reason=\"closed\"") || ended[0].contains("reason=closed"));
+    assert!(!log.contains("DEBUG"), "{log}");
+    assert!(log.lines().all(|l| !l.starts_with('{')), "{log}");
+}
