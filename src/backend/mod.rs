@@ -29,12 +29,12 @@ pub mod waiting;
 use std::future::Future;
 use std::sync::Arc;
 
+use crate::domain::state::FloorRaised;
 use crate::domain::{
     EndReason, Event, Finish, InvalidInput, JobId, JobOutcome, JobRecord, JobStatus, LockKey,
     LockRecord, NewJob, PoolName, PoolPut, QueueCounts, QueueName, SeatRecord, SessionId,
     SessionRecord, Token, UnixMs,
 };
-use crate::domain::state::FloorRaised;
 use crate::metrics::Metrics;
 use embedded::store::StoreError;
 pub use settings::EngineConfig;

@@ -3,20 +3,20 @@
 
 use std::sync::Arc;
 
+use crate::backend::BackendError;
 pub use crate::backend::EngineConfig;
 use crate::backend::embedded::Embedded;
+use crate::backend::embedded::store::backup::BackupFile;
 use crate::backend::postgres::Postgres;
 use crate::backend::{
     Backend, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage, LockPage,
     OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
 };
+use crate::domain::state::FloorRaised;
 use crate::domain::{
     EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, NewJob, PoolName,
     PoolPut, QueueName, SessionId, Token,
 };
-use crate::backend::BackendError;
-use crate::backend::embedded::store::backup::BackupFile;
-use crate::domain::state::FloorRaised;
 use crate::metrics::Metrics;
 
 /// The handle the API calls: the configured backend. Cheap to clone. An enum rather than a

@@ -4,8 +4,8 @@
 
 use super::Embedded;
 use super::commands::{Command, PassSize};
-use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
 use super::store::backup::BackupFile;
+use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::state::FloorRaised;
 use crate::domain::time::to_wall;
 use crate::domain::{

@@ -99,7 +99,9 @@ mod tests {
         assert_eq!((raised.previous, raised.revision), (0, 1_001));
         assert!(raised.moved());
         let id = SessionId::random();
-        state.open(id, "a".into(), None, String::new(), at(), &mut fx).unwrap();
+        state
+            .open(id, "a".into(), None, String::new(), at(), &mut fx)
+            .unwrap();
         let key = LockKey::parse("key", "k").unwrap();
         let token = state.acquire(id, &key, at(), &mut fx).unwrap().token;
         assert!(token.0 > 1_000, "token {token:?} is not above the floor");
@@ -138,6 +140,10 @@ mod tests {
         assert_eq!(e.field, "floor");
         assert_eq!(state.revision(), 0);
         assert!(fx.changes.is_empty());
-        assert!(state.raise_token_floor(MAX_TOKEN_FLOOR, at(), &mut fx).is_ok());
+        assert!(
+            state
+                .raise_token_floor(MAX_TOKEN_FLOOR, at(), &mut fx)
+                .is_ok()
+        );
     }
 }

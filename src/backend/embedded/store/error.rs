@@ -34,7 +34,9 @@ pub enum StoreError {
     Failed,
     /// The data file holds a table the backup's table list does not name: a backup would
     /// silently leave it out.
-    #[error("table {0:?} is in the data file but not in the store's table list; refusing an incomplete backup")]
+    #[error(
+        "table {0:?} is in the data file but not in the store's table list; refusing an incomplete backup"
+    )]
     UnlistedTable(String),
     #[error("{path} is not a Leasehold backup: {why}")]
     NotABackup { path: PathBuf, why: String },
