@@ -502,3 +502,80 @@ async fn raise_floor_ratchets_and_is_audited_on_every_backend() {
         s.stop().await;
     }
 }
+
+/// Raises racing grants: floors just above the counter, raised while takers grant and release
+/// locks as fast as they can, must never make a token repeat, and a grant asked for after a
+/// raise answered is above its floor. On PostgreSQL this is what the sequence lock is for:
+/// without it a draw between reading the counter and `setval` could be issued again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floors_raised_under_concurrent_grants_never_repeat_a_token() {
+    for kind in [BackendKind::Embedded, BackendKind::Postgres] {
+        let s = TestServer::start_on(kind, |_| {}).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut takers = Vec::new();
+        for n in 0..4 {
+            let client = s.client.clone();
+            let stop = stop.clone();
+            takers.push(tokio::spawn(async move {
+                let r = client
+                    .post("/v1/sessions", &json!({"owner": "t", "ttl_ms": 600_000}))
+                    .await
+                    .unwrap();
+                let id = r.body["session_id"].as_str().unwrap().to_string();
+                let key = format!("race/{n}");
+                let mut tokens = Vec::new();
+                while !stop.load(Ordering::SeqCst) {
+                    let r = client
+                        .post(
+                            &format!("/v1/locks/{}/acquire", segment(&key)),
+                            &json!({"session_id": id}),
+                        )
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status, 200, "{}", r.text);
+                    let t = r.body["token"].as_u64().unwrap();
+                    tokens.push(t);
+                    let r = client
+                        .post(
+                            &format!("/v1/locks/{}/release", segment(&key)),
+                            &json!({"session_id": id, "token": t}),
+                        )
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status, 200, "{}", r.text);
+                }
+                tokens
+            }));
+        }
+        let a = s.open("raiser", 600_000).await;
+        let mut raises = 0;
+        for _ in 0..40 {
+            // Just above the counter, so that concurrent draws pass it while it is raised.
+            let r = s.post("/v1/admin/tokens/floor", json!({"floor": 0})).await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            let floor = r.body["revision"].as_u64().unwrap() + 3;
+            let r = s
+                .post("/v1/admin/tokens/floor", json!({"floor": floor}))
+                .await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            raises += 1;
+            let t = take(&s, &format!("after/{raises}"), &a).await;
+            assert!(t > floor, "{kind:?}: token {t} after a raise to {floor}");
+        }
+        stop.store(true, Ordering::SeqCst);
+        let mut all = Vec::new();
+        for t in takers {
+            all.extend(t.await.unwrap());
+        }
+        assert!(
+            all.len() > 40,
+            "{kind:?}: the takers barely ran ({})",
+            all.len()
+        );
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), n, "{kind:?}: a token was issued twice");
+        s.stop().await;
+    }
+}
