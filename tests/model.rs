@@ -1830,6 +1830,14 @@ fn account(
             want.released = released;
             stories.push(story);
         }
+        // Raising the token floor moves the counter and changes no record.
+        EventKind::TokenFloorRaised => {
+            assert!(
+                facts.is_empty() && settled.is_empty(),
+                "a floor raise with record changes: {facts:?}"
+            );
+            want.detail = event.detail.clone();
+        }
     }
     want
 }

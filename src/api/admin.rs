@@ -1,6 +1,9 @@
 //! `/v1/admin`: operator actions, each audited.
 
+use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::header;
+use axum::response::Response;
 use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
 
@@ -10,6 +13,7 @@ use super::extract::{Body, SessionPath};
 use super::jobs::JobPath;
 use super::sessions::{CloseResponse, end};
 use super::wire::HeldLock;
+use crate::backend::BackendError;
 use crate::domain::{EndReason, JobOutcome};
 
 pub fn routes() -> Router<AppState> {
@@ -17,6 +21,8 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/admin/sessions/{id}/end", routing::post(end_session))
         .route("/v1/admin/reap", routing::post(reap))
         .route("/v1/admin/jobs/{id}/requeue", routing::post(requeue))
+        .route("/v1/admin/tokens/floor", routing::post(raise_token_floor))
+        .route("/v1/admin/backup", routing::post(backup))
 }
 
 #[derive(Serialize)]
@@ -148,4 +154,97 @@ async fn reap(
         jobs_settled: outcome.jobs,
         revision: app.engine.revision().await?,
     }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FloorRequest {
+    floor: u64,
+}
+
+#[derive(Serialize)]
+struct FloorResponse {
+    floor: u64,
+    /// The counter (the highest token issued) before the raise.
+    previous: u64,
+    /// Whether the counter moved: false when it was already at or above `floor`.
+    raised: bool,
+    /// The revision of the raise itself; every later token is above it.
+    revision: u64,
+}
+
+/// Raises the token floor: every token issued after the answer is above `floor`. Audited as
+/// `token_floor_raised`.
+async fn raise_token_floor(
+    State(app): State<AppState>,
+    Body(req): Body<FloorRequest>,
+) -> Result<Json<FloorResponse>, ApiError> {
+    let r = app.engine.raise_token_floor(req.floor).await?;
+    Ok(Json(FloorResponse {
+        floor: r.floor,
+        previous: r.previous,
+        raised: r.moved(),
+        revision: r.revision,
+    }))
+}
+
+/// Size of the pieces a backup is sent in.
+const BACKUP_CHUNK_BYTES: usize = 256 * 1024;
+
+/// A consistent snapshot of the embedded store as a redb file, streamed. The headers carry
+/// what it holds: `leasehold-backup-revision` (every token in it is at most this) and
+/// `leasehold-backup-taken-at` (Unix ms).
+async fn backup(State(app): State<AppState>) -> Result<Response, ApiError> {
+    let made = app.engine.backup().await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut file = made.file;
+    // Read off the async workers; a client that goes away drops the receiver and ends this.
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        loop {
+            let mut buf = vec![0; BACKUP_CHUNK_BYTES];
+            let piece = match file.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => {
+                    buf.truncate(n);
+                    Ok(Bytes::from(buf))
+                }
+                Err(e) => Err(e),
+            };
+            let stop = piece.is_err();
+            if tx.blocking_send(piece).is_err() || stop {
+                return;
+            }
+        }
+    });
+    tracing::info!(
+        revision = made.info.revision,
+        bytes = made.len,
+        rows = made.info.rows,
+        "sending a backup"
+    );
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, made.len)
+        .header("leasehold-backup-revision", made.info.revision)
+        .header("leasehold-backup-taken-at", made.info.taken_at.0)
+        .body(axum::body::Body::new(Chunks(rx)))
+        .map_err(|e| ApiError::Engine(BackendError::Unavailable(e.to_string())))
+}
+
+/// A response body of the pieces a blocking reader sends.
+struct Chunks(tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>);
+
+impl hyper::body::Body for Chunks {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|piece| piece.map(|r| r.map(hyper::body::Frame::data)))
+    }
 }

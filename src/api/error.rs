@@ -119,6 +119,7 @@ impl ApiError {
                     E::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
                     E::Store(_) => (StatusCode::SERVICE_UNAVAILABLE, "storage_error"),
                     E::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "backend_unavailable"),
+                    E::Unsupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported"),
                 };
                 (status, code, e.to_string(), None)
             }

@@ -29,6 +29,7 @@ pub mod waiting;
 use std::future::Future;
 use std::sync::Arc;
 
+use crate::domain::state::FloorRaised;
 use crate::domain::{
     EndReason, Event, Finish, InvalidInput, JobId, JobOutcome, JobRecord, JobStatus, LockKey,
     LockRecord, NewJob, PoolName, PoolPut, QueueCounts, QueueName, SeatRecord, SessionId,
@@ -164,6 +165,24 @@ pub trait Backend: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<u64>> + Send;
     /// Puts a failed job back in its queue (an operator's action).
     fn requeue(&self, job: JobId) -> impl Future<Output = Result<u64>> + Send;
+    /// Raises the token floor (an operator's action; `leasehold tokens raise-floor`). Once it
+    /// returns `Ok`, every token this backend issues — on any node — is greater than `floor`
+    /// and than every token issued before the call, and no token is ever issued twice.
+    ///
+    /// - The counter only ratchets up: a floor at or below it moves nothing back. The call
+    ///   still succeeds and is audited; `FloorRaised::moved` says whether it moved.
+    /// - The raise is one mutation: it draws its own revision (above the floor), writes one
+    ///   `token_floor_raised` event whose `detail` is
+    ///   [`floor_detail`](crate::domain::state::floor_detail), and is durable before
+    ///   it returns, like every mutation.
+    /// - It is atomic with respect to grants: a grant drawn concurrently either comes before
+    ///   the raise (and may be at or below the floor) or after it (and is above it). A backend
+    ///   whose counter is not written by one owner must serialise the raise with the draws
+    ///   (PostgreSQL: a lock on the sequence; a store with server-side scripts: one script
+    ///   that raises and draws).
+    /// - A floor above [`MAX_TOKEN_FLOOR`](crate::domain::state::MAX_TOKEN_FLOOR) is [`BackendError::Invalid`] (field `floor`) and
+    ///   changes nothing.
+    fn raise_token_floor(&self, floor: u64) -> impl Future<Output = Result<FloorRaised>> + Send;
     /// A job and its payload.
     fn job(&self, id: JobId) -> impl Future<Output = Result<Option<(JobRecord, String)>>> + Send;
     fn queue(&self, name: &QueueName) -> impl Future<Output = Result<QueueInfo>> + Send;
@@ -226,6 +245,9 @@ pub enum BackendError {
     /// The embedded store refused or failed an operation.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The backend does not do this; the message says what to use instead.
+    #[error("{0}")]
+    Unsupported(&'static str),
     /// A shared database could not be reached or did not answer in time. For a mutation the
     /// outcome is unknown: it may or may not have been applied.
     #[error("the backend is unavailable: {0}")]

@@ -1,6 +1,7 @@
 //! The command line: `serve`, the client commands that talk to a running server, the
 //! offline integrity check and the PostgreSQL migrations.
 
+mod backup;
 mod bench;
 mod check;
 mod generate;
@@ -8,6 +9,7 @@ mod notify;
 mod remote;
 mod run;
 mod serve;
+mod tokens;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -109,6 +111,19 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Fencing-token administration on a running server.
+    Tokens {
+        #[command(flatten)]
+        server: ServerArg,
+        #[command(subcommand)]
+        action: tokens::TokensAction,
+    },
+    /// Write a consistent snapshot of a running embedded server to a file, without stopping
+    /// it.
+    Backup(backup::BackupArgs),
+    /// Make a backup the data directory of a stopped server: verified, checked, and with the
+    /// token counter raised above every token issued before the restore.
+    Restore(backup::RestoreArgs),
     /// Write the manual pages or the shell completions (used by the package build).
     #[command(hide = true)]
     Generate {
@@ -379,6 +394,9 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Reap { server, dry_run } => {
             remote::block_on(remote::reap(&server.server, dry_run))
         }
+        Command::Tokens { server, action } => remote::block_on(tokens::run(&server.server, action)),
+        Command::Backup(args) => backup::backup(args),
+        Command::Restore(args) => backup::restore(args),
         Command::Generate { what } => generate::run(what),
     }
 }

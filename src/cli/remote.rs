@@ -34,7 +34,7 @@ fn out(line: &str) {
 }
 
 /// Prints a reply: pretty JSON on success, the error on stderr (and exit status 1).
-fn print(reply: Reply) -> Result<(), ClientError> {
+pub(super) fn print(reply: Reply) -> Result<(), ClientError> {
     if reply.status.is_success() {
         out(&serde_json::to_string_pretty(&reply.body).unwrap_or(reply.text));
         Ok(())

@@ -69,6 +69,9 @@ pub enum EventKind {
     JobRecovered,
     JobReleased,
     JobRequeued,
+    /// Appended after 0.1.0: postcard numbers variants by position, so kinds are only ever
+    /// added at the end.
+    TokenFloorRaised,
 }
 
 impl EventKind {
@@ -92,6 +95,7 @@ impl EventKind {
             EventKind::JobRecovered => "job_recovered",
             EventKind::JobReleased => "job_released",
             EventKind::JobRequeued => "job_requeued",
+            EventKind::TokenFloorRaised => "token_floor_raised",
         }
     }
 

@@ -3,13 +3,16 @@
 
 use std::sync::Arc;
 
+use crate::backend::BackendError;
 pub use crate::backend::EngineConfig;
 use crate::backend::embedded::Embedded;
+use crate::backend::embedded::store::backup::BackupFile;
 use crate::backend::postgres::Postgres;
 use crate::backend::{
     Backend, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage, LockPage,
     OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
 };
+use crate::domain::state::FloorRaised;
 use crate::domain::{
     EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, NewJob, PoolName,
     PoolPut, QueueName, SessionId, Token,
@@ -177,6 +180,25 @@ impl Engine {
 
     pub async fn requeue(&self, job: JobId) -> Result<u64> {
         each!(self, b => Backend::requeue(b, job).await)
+    }
+
+    /// A backup of the embedded store; other backends are backed up by their database's own
+    /// tools.
+    pub async fn backup(&self) -> Result<BackupFile> {
+        match self {
+            Engine::Embedded(b) => b.backup().await,
+            #[allow(unreachable_patterns)]
+            _ => Err(BackendError::Unsupported(
+                "leasehold backup is for the embedded backend; back up this backend's database \
+                 with its own tools (PostgreSQL: pg_dump or a base backup with WAL archiving), \
+                 and after restoring it raise the token floor with `leasehold tokens \
+                 raise-floor` (see the operations guide)",
+            )),
+        }
+    }
+
+    pub async fn raise_token_floor(&self, floor: u64) -> Result<FloorRaised> {
+        each!(self, b => Backend::raise_token_floor(b, floor).await)
     }
 
     pub async fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>> {

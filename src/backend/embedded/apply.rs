@@ -180,6 +180,12 @@ impl Writer {
                 let r = state.requeue(job, at, fx).map_err(job_error);
                 pend(pending, reply, r);
             }
+            Command::RaiseTokenFloor { floor, reply } => {
+                let r = state
+                    .raise_token_floor(floor, at, fx)
+                    .map_err(BackendError::from);
+                pend(pending, reply, r);
+            }
             Command::Reap { size, reply } => {
                 if let PassSize::Paced = size {
                     self.storm = true;

@@ -5,6 +5,7 @@
 use tokio::sync::oneshot;
 
 use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
+use crate::domain::state::FloorRaised;
 use crate::domain::{Claim, PoolPut};
 use crate::domain::{
     EndReason, Finish, JobId, LockKey, Mono, NewJob, PoolName, QueueName, SessionId, Token,
@@ -99,6 +100,11 @@ pub enum Command {
         job: JobId,
         reply: Reply<u64>,
     },
+    /// Raises the revision counter to at least `floor` (an operator's action).
+    RaiseTokenFloor {
+        floor: u64,
+        reply: Reply<FloorRaised>,
+    },
     Reap {
         size: PassSize,
         reply: Reply<ReapOutcome>,
@@ -158,6 +164,7 @@ pub fn refuse(cmd: Command, e: BackendError) {
         Command::ConfirmLive { reply, .. } => no(reply, e),
         Command::Claim { reply, .. } => no(reply, e),
         Command::Reap { reply, .. } => no(reply, e),
+        Command::RaiseTokenFloor { reply, .. } => no(reply, e),
         Command::Drain | Command::Stop => {}
     }
 }

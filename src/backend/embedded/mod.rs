@@ -41,6 +41,7 @@ use crate::backend::{
     LockPage, OpenedSession, PoolInfo, QueueInfo, ReapOutcome, SessionInfo, SessionPage,
 };
 use crate::clock::Clock;
+use crate::domain::state::FloorRaised;
 use crate::domain::{
     EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, NewJob, PoolName,
     PoolPut, QueueName, SessionId, State, Token,
@@ -319,6 +320,10 @@ impl Backend for Embedded {
 
     async fn requeue(&self, job: JobId) -> Result<u64, BackendError> {
         Embedded::requeue(self, job).await
+    }
+
+    async fn raise_token_floor(&self, floor: u64) -> Result<FloorRaised, BackendError> {
+        Embedded::raise_token_floor(self, floor).await
     }
 
     async fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>, BackendError> {

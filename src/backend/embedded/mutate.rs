@@ -4,7 +4,9 @@
 
 use super::Embedded;
 use super::commands::{Command, PassSize};
+use super::store::backup::BackupFile;
 use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
+use crate::domain::state::FloorRaised;
 use crate::domain::time::to_wall;
 use crate::domain::{
     At, Effects, EndReason, Finish, JobId, LockKey, Mono, NewJob, PoolName, PoolPut, QueueName,
@@ -258,6 +260,28 @@ impl Embedded {
 
     pub async fn requeue(&self, job: JobId) -> Result<u64, BackendError> {
         self.call(|reply| Command::Requeue { job, reply }).await
+    }
+
+    /// Raises the token floor through the writer: the raise and its event commit in one
+    /// batch like any mutation, so no grant of an earlier batch can come out above it and no
+    /// grant of a later one below it.
+    pub async fn raise_token_floor(&self, floor: u64) -> Result<FloorRaised, BackendError> {
+        self.call(|reply| Command::RaiseTokenFloor { floor, reply })
+            .await
+    }
+
+    /// A backup of one consistent snapshot, built off the async workers. It reads through
+    /// its own redb read transaction and never goes through the writer, so writers go on
+    /// committing while it is built.
+    pub async fn backup(&self) -> Result<BackupFile, BackendError> {
+        if self.shared.store.failed() {
+            return Err(BackendError::StoreFailed);
+        }
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || shared.store.backup_file(shared.clock.wall()))
+            .await
+            .map_err(|_| BackendError::Unavailable("the backup task panicked".into()))?
+            .map_err(BackendError::from)
     }
 
     fn wait_deadline(&self, wait_ms: u64) -> Option<Mono> {

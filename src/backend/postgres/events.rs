@@ -57,6 +57,7 @@ fn kind(text: &str) -> Option<EventKind> {
         "job_recovered" => EventKind::JobRecovered,
         "job_released" => EventKind::JobReleased,
         "job_requeued" => EventKind::JobRequeued,
+        "token_floor_raised" => EventKind::TokenFloorRaised,
         _ => return None,
     })
 }

@@ -35,6 +35,7 @@
 
 mod errors;
 mod events;
+mod floor;
 mod jobs;
 mod locks;
 mod notify;
@@ -65,6 +66,7 @@ use crate::backend::{
     LockPage, OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
 };
 use crate::clock::Clock;
+use crate::domain::state::FloorRaised;
 use crate::domain::{
     EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, Mono, NewJob,
     PoolName, PoolPut, QueueName, SessionId, Token,
@@ -911,6 +913,10 @@ impl Backend for Postgres {
 
     async fn requeue(&self, job: JobId) -> Result<u64> {
         Postgres::requeue(self, job).await
+    }
+
+    async fn raise_token_floor(&self, floor: u64) -> Result<FloorRaised> {
+        Postgres::raise_token_floor(self, floor).await
     }
 
     async fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>> {

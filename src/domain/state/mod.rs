@@ -15,6 +15,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+pub use floor::{FloorRaised, MAX_TOKEN_FLOOR, floor_detail, validate_token_floor};
+
+mod floor;
 mod queues;
 mod seats;
 #[cfg(test)]

@@ -32,6 +32,14 @@ pub enum StoreError {
     EventAboveCounter { seq: u64, counter: u64 },
     #[error("an earlier write failed; the store refuses writes until the server restarts")]
     Failed,
+    /// The data file holds a table the backup's table list does not name: a backup would
+    /// silently leave it out.
+    #[error(
+        "table {0:?} is in the data file but not in the store's table list; refusing an incomplete backup"
+    )]
+    UnlistedTable(String),
+    #[error("{path} is not a Leasehold backup: {why}")]
+    NotABackup { path: PathBuf, why: String },
 }
 
 impl StoreError {

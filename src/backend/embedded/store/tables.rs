@@ -13,7 +13,7 @@
 //!   (session id, job id) for the claims a session holds;
 //! - `events`: sequence number → `Event`, the audit log.
 
-use redb::{ReadableTable, TableDefinition, WriteTransaction};
+use redb::{Key, ReadableTable, TableDefinition, Value, WriteTransaction};
 
 use super::codec::{self, CodecError};
 use super::error::StoreError;
@@ -42,6 +42,33 @@ pub(super) const META_SCHEMA: &str = "schema";
 pub(super) const META_REVISION: &str = "revision";
 pub(super) const META_EVENT_SEQ: &str = "event_seq";
 pub(super) const SCHEMA_VERSION: u64 = 1;
+
+/// Something done to every table of the data file.
+pub(super) trait EachTable {
+    fn table<K: Key + 'static, V: Value + 'static>(
+        &mut self,
+        def: TableDefinition<'static, K, V>,
+    ) -> Result<(), StoreError>;
+}
+
+/// Every table of the data file, in one list: a backup copies exactly these (and refuses a
+/// file holding any other), so a table added to the layout is added here.
+pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
+    f.table(META)?;
+    f.table(SESSIONS)?;
+    f.table(SESSIONS_BY_OWNER)?;
+    f.table(LOCKS)?;
+    f.table(SESSION_LOCKS)?;
+    f.table(EVENTS)?;
+    f.table(POOLS)?;
+    f.table(SEATS)?;
+    f.table(SESSION_SEATS)?;
+    f.table(JOBS)?;
+    f.table(JOB_PAYLOADS)?;
+    f.table(JOBS_BY_STATE)?;
+    f.table(SESSION_JOBS)?;
+    Ok(())
+}
 
 /// Creates every table that is missing, so that readers never find one absent.
 pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
