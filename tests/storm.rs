@@ -129,7 +129,10 @@ async fn a_storm_of_expiries_audits_every_session_once_and_frees_every_lock() {
     assert_eq!(ended.len(), DYING);
     assert!(ended.iter().all(|id| dying.contains_key(id)));
     let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
-    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "sequence numbers increase");
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "sequence numbers increase"
+    );
 
     // Every lock of the storm is free, in the committed table and to a newcomer; the live
     // client's lock is untouched.
