@@ -8,7 +8,11 @@
 #   benches/ab.sh OLD_BINARY NEW_BINARY [ROUNDS]
 #
 # SECONDS_PER_RUN (default 10), CLIENTS (64), HEARTBEAT_SESSIONS (100000) and MASS_SESSIONS
-# (100000) size the runs. Not part of CI: a full run takes several minutes.
+# (100000) size the runs; WORKLOADS (default "lock-churn session-churn heartbeat mass-expiry")
+# picks them. PIN=1 puts the server on core 0 and the driver on core 1. Each line carries the
+# server's CPU per operation (`server_cpu_us_per_op`; for mass-expiry, per dying session from
+# the first deadline to all free) and the driver's. Not part of CI: a full run takes several
+# minutes.
 set -euo pipefail
 old="$(realpath "$1")"
 new="$(realpath "$2")"
@@ -17,6 +21,13 @@ seconds="${SECONDS_PER_RUN:-10}"
 clients="${CLIENTS:-64}"
 hb_sessions="${HEARTBEAT_SESSIONS:-100000}"
 mass_sessions="${MASS_SESSIONS:-100000}"
+workloads="${WORKLOADS:-lock-churn session-churn heartbeat mass-expiry}"
+server_cpu=""
+driver_cpu=""
+if [ "${PIN:-0}" = 1 ]; then
+    server_cpu="taskset -c 0"
+    driver_cpu="taskset -c 1"
+fi
 port=7895
 work="$(mktemp -d)"
 pid=""
@@ -24,7 +35,7 @@ trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"' EXIT
 
 start() {
     rm -rf "$work/data"
-    "$1" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level warn \
+    $server_cpu "$1" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level warn \
         >"$work/server.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 100); do
@@ -44,18 +55,20 @@ label() {
     python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['binary']=sys.argv[1]; print(json.dumps(r))" "$1"
 }
 drive() {
-    "$new" bench --server "http://127.0.0.1:$port" --json --quiet "$@"
+    $driver_cpu "$new" bench --server "http://127.0.0.1:$port" --server-pid "$pid" --json --quiet "$@"
 }
 
 for round in $(seq 1 "$rounds"); do
     for which in old new; do
         bin="$old"
         [ "$which" = new ] && bin="$new"
-        for workload in lock-churn heartbeat mass-expiry; do
+        for workload in $workloads; do
             echo "== round $round, $which, $workload" >&2
             start "$bin"
             case "$workload" in
-            lock-churn) drive --workload lock-churn --clients "$clients" --duration "$seconds" ;;
+            lock-churn | session-churn)
+                drive --workload "$workload" --clients "$clients" --duration "$seconds"
+                ;;
             heartbeat)
                 drive --workload heartbeat --clients "$clients" --sessions "$hb_sessions" \
                     --duration "$seconds"

@@ -21,53 +21,169 @@ mass_sessions="${MASS_SESSIONS:-100000}"
 mass_clients="${MASS_CLIENTS:-8}"
 mass_ttl_ms="${MASS_TTL_MS:-3000}"
 pg="${PG:-host=127.0.0.1 user=postgres dbname=test}"
+pg_url="${PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
+# PIN=1: every server on core 0 (`taskset -c 0`), the driver on core 1, so that neither
+# steals the other's core and server CPU per operation is measured alone. PIN=0 (default):
+# everything shares every core, as on a small machine in service.
+pin="${PIN:-0}"
+workloads="${WORKLOADS:-lock-churn session-churn heartbeat}"
 work="$(mktemp -d)"
-trap 'kill $(jobs -p) 2>/dev/null || true; redis-cli -p 6390 shutdown nosave >/dev/null 2>&1 || true; redis-cli -p 6391 shutdown nosave >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    redis-cli -p 6390 shutdown nosave >/dev/null 2>&1 || true
+    redis-cli -p 6391 shutdown nosave >/dev/null 2>&1 || true
+    [ "$pin" = 1 ] && unpin_postgres
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+server_cpu=""
+driver_cpu=""
+if [ "$pin" = 1 ]; then
+    server_cpu="taskset -c 0"
+    driver_cpu="taskset -c 1"
+fi
+
+# Each target is a function that starts its server (when the script owns it) and sets
+# `target` (the driver's address), `server_pid` (the process whose CPU is counted, or empty)
+# and `label` (its name in the tables). `stop_all` stops what the targets started.
+
+ready() {
+    for _ in $(seq 1 200); do
+        curl -fsS "$1" >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    echo "not ready: $1" >&2
+    exit 1
+}
+
+target_leasehold() {
+    $server_cpu "$root/target/release/leasehold" serve --data-dir "$work/leasehold" \
+        --listen 127.0.0.1:7890 --log-level warn >"$work/leasehold.log" 2>&1 &
+    server_pid=$!
+    pids+=("$server_pid")
+    ready http://127.0.0.1:7890/readyz
+    target="leasehold=http://127.0.0.1:7890"
+    label="Leasehold"
+}
+
+target_leasehold_pg() {
+    psql "$pg_url" -qc "DROP SCHEMA IF EXISTS bench_compare CASCADE" >/dev/null
+    $server_cpu "$root/target/release/leasehold" serve --backend postgres --postgres-url "$pg_url" \
+        --namespace bench_compare --listen 127.0.0.1:7892 --log-level warn \
+        >"$work/leasehold-pg.log" 2>&1 &
+    server_pid=$!
+    pids+=("$server_pid")
+    ready http://127.0.0.1:7892/readyz
+    target="leasehold=http://127.0.0.1:7892"
+    label="Leasehold on PostgreSQL"
+}
+
+redis_pid() {
+    redis-cli -p "$1" info server | sed -n 's/^process_id:\([0-9]*\).*/\1/p'
+}
+
+target_redis_always() {
+    mkdir -p "$work/redis-always"
+    $server_cpu redis-server --port 6390 --bind 127.0.0.1 --dir "$work/redis-always" \
+        --appendonly yes --appendfsync always --save "" --daemonize yes \
+        --logfile "$work/redis-always.log"
+    sleep 0.3
+    server_pid="$(redis_pid 6390)"
+    target="redis=redis://127.0.0.1:6390"
+    label="Redis, appendfsync always"
+}
+
+target_redis_default() {
+    mkdir -p "$work/redis-default"
+    $server_cpu redis-server --port 6391 --bind 127.0.0.1 --dir "$work/redis-default" \
+        --daemonize yes --logfile "$work/redis-default.log"
+    sleep 0.3
+    server_pid="$(redis_pid 6391)"
+    target="redis=redis://127.0.0.1:6391"
+    label="Redis, default persistence"
+}
+
+# PostgreSQL is the machine's own server: pinned by moving its processes (and so the
+# backends it forks) to core 0 for the run, and back afterwards. Its CPU is spread over a
+# backend per connection, so no single process stands for it: not counted.
+postgres_pids() {
+    pgrep -x postgres || pgrep -f 'postgres:' || true
+}
+pin_postgres() {
+    for p in $(postgres_pids); do taskset -a -p -c 0 "$p" >/dev/null 2>&1 || true; done
+}
+unpin_postgres() {
+    for p in $(postgres_pids); do
+        taskset -a -p -c "0-$(($(nproc) - 1))" "$p" >/dev/null 2>&1 || true
+    done
+}
+
+target_postgres() {
+    [ "$pin" = 1 ] && pin_postgres
+    server_pid=""
+    target="postgres=$pg"
+    label="PostgreSQL"
+}
+
+# etcd from Debian's `etcd-server` package, one member, its data on the same disk; the
+# driver speaks to its JSON gateway (the v3 API over HTTP/1.1: leases and transactions).
+target_etcd() {
+    if ! command -v etcd >/dev/null; then
+        apt-get install -y etcd-server >/dev/null
+    fi
+    $server_cpu etcd --name compare --data-dir "$work/etcd" \
+        --listen-client-urls http://127.0.0.1:2391 --advertise-client-urls http://127.0.0.1:2391 \
+        --listen-peer-urls http://127.0.0.1:2392 --initial-advertise-peer-urls http://127.0.0.1:2392 \
+        --initial-cluster compare=http://127.0.0.1:2392 --log-level error \
+        >"$work/etcd.log" 2>&1 &
+    server_pid=$!
+    pids+=("$server_pid")
+    ready http://127.0.0.1:2391/health
+    target="etcd=http://127.0.0.1:2391"
+    label="etcd"
+}
+
+stop_target() {
+    if [ -n "${server_pid:-}" ]; then
+        case "$label" in
+        Redis*) redis-cli -p "${target##*:}" shutdown nosave >/dev/null 2>&1 || true ;;
+        PostgreSQL) ;;
+        *) kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true ;;
+        esac
+    fi
+    [ "$label" = PostgreSQL ] && [ "$pin" = 1 ] && unpin_postgres
+    rm -rf "$work/leasehold" "$work/etcd" "$work/redis-always" "$work/redis-default"
+}
+
+TARGETS="${TARGETS:-leasehold leasehold_pg redis_always redis_default postgres etcd}"
 
 (cd "$root" && cargo build --release --quiet)
 (cd "$here" && cargo build --release --quiet)
 compare="$here/target/release/leasehold-compare"
-
-"$root/target/release/leasehold" serve --data-dir "$work/leasehold" --listen 127.0.0.1:7890 \
-    --log-level warn >"$work/leasehold.log" 2>&1 &
-mkdir -p "$work/redis-always" "$work/redis-default"
-redis-server --port 6390 --bind 127.0.0.1 --dir "$work/redis-always" --appendonly yes \
-    --appendfsync always --save "" --daemonize yes --logfile "$work/redis-always.log"
-redis-server --port 6391 --bind 127.0.0.1 --dir "$work/redis-default" --daemonize yes \
-    --logfile "$work/redis-default.log"
-pg_url="${PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
-psql "$pg_url" -qc "DROP SCHEMA IF EXISTS bench_compare CASCADE" >/dev/null
-"$root/target/release/leasehold" serve --backend postgres --postgres-url "$pg_url" \
-    --namespace bench_compare --listen 127.0.0.1:7892 --log-level warn \
-    >"$work/leasehold-pg.log" 2>&1 &
-for _ in $(seq 1 100); do
-    curl -fsS http://127.0.0.1:7892/readyz >/dev/null 2>&1 && curl -fsS http://127.0.0.1:7890/readyz >/dev/null 2>&1 && break
-    sleep 0.1
-done
-
-targets=(
-    "leasehold=http://127.0.0.1:7890"
-    "leasehold=http://127.0.0.1:7892"
-    "redis=redis://127.0.0.1:6390"
-    "redis=redis://127.0.0.1:6391"
-    "postgres=$pg"
-)
-names=("Leasehold" "Leasehold on PostgreSQL" "Redis, appendfsync always" "Redis, default persistence" "PostgreSQL")
 out="$work/results.jsonl"
-named() {
-    python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; print(json.dumps(r))" "$1" >>"$out"
+
+# One fresh server per target and workload, so no run inherits another's data.
+run_one() {
+    local t="$1" workload="$2"
+    shift 2
+    "target_$t"
+    echo "== $workload: $label" >&2
+    COMPARE_SERVER_PID="$server_pid" $driver_cpu "$compare" "$target" "$workload" "$@" |
+        python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; r['pinned']=sys.argv[2]=='1'; print(json.dumps(r))" "$label" "$pin" >>"$out"
+    stop_target
 }
-for workload in lock-churn heartbeat; do
-    for i in "${!targets[@]}"; do
-        echo "== $workload: ${names[$i]}" >&2
-        "$compare" "${targets[$i]}" "$workload" "$clients" "$seconds" | named "${names[$i]}"
+for workload in $workloads; do
+    for t in $TARGETS; do
+        run_one "$t" "$workload" "$clients" "$seconds"
     done
 done
-for i in "${!targets[@]}"; do
-    echo "== mass-expiry: ${names[$i]}" >&2
-    "$compare" "${targets[$i]}" mass-expiry "$mass_clients" "$mass_sessions" "$mass_ttl_ms" |
-        named "${names[$i]}"
+# etcd is left out of mass-expiry: the driver has no storm for it yet.
+for t in ${MASS_TARGETS:-${TARGETS// etcd/}}; do
+    run_one "$t" mass-expiry "$mass_clients" "$mass_sessions" "$mass_ttl_ms"
 done
+cp "$out" "${RESULTS:-$root/target/compare-results.jsonl}"
 
 python3 - "$out" "$root/docs/benchmarks-compare.md" "$clients" "$seconds" "$mass_clients" "$mass_ttl_ms" <<'PY'
 import json, platform, subprocess, sys, datetime
@@ -77,7 +193,7 @@ mass = [r for r in rows if r["workload"] == "mass-expiry"]
 mass_sessions = mass[0]["sessions"]
 cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True).stdout.strip()
 lines = [
-    "# Leasehold beside Redis and PostgreSQL",
+    "# Leasehold beside Redis, PostgreSQL and etcd",
     "",
     f"Generated by `benches/compare/run.sh` on {datetime.date.today()}: lock-churn and heartbeat with",
     f"{clients} clients, {seconds} s measured after 2 s of warm-up; mass-expiry as described below;",
@@ -90,7 +206,14 @@ lines = [
     "  `INCR`s the token and sets the lock; release compares holder and token, then deletes.",
     "  PostgreSQL: `INSERT … ON CONFLICT DO NOTHING RETURNING token` (token from a sequence, the",
     "  session by foreign key with `ON DELETE CASCADE`), release `DELETE … WHERE` holder and token.",
+    "- **session-churn**: each client opens a session, heartbeats it three times and closes it;",
+    "  the unit is the five requests, latency each request's. Redis: `SET … NX PX`, three",
+    "  `PEXPIRE`, `DEL`. PostgreSQL: `INSERT`, three conditional `UPDATE`s, `DELETE`. etcd: lease",
+    "  grant, three keep-alives, revoke.",
     "- **heartbeat**: 100 000 live sessions heartbeated round-robin. Redis: `PEXPIRE`.",
+    "  etcd: a lease keep-alive (`/v3/lease/keepalive`). etcd's lock-churn: a transaction that",
+    "  puts the key with the client's lease if its create revision is 0 (the revision is the",
+    "  token), and one that deletes it if its create revision is still the token.",
     "  PostgreSQL: the conditional `UPDATE lock_session SET expires_at = … WHERE … AND expires_at > now()`.",
     f"- **mass-expiry**: {mass_sessions:,} sessions, each holding one lock on its own key, are given",
     f"  deadlines at one instant (at least {int(mass_ttl_ms):,} ms ahead, once all are open) and never",
@@ -120,15 +243,28 @@ lines = [
     "  `SELECT count(*) FROM lock_entry WHERE lock_key LIKE 'cmp/mx/%'`.",
     "",
 ]
-for workload in ["lock-churn", "heartbeat"]:
+def cpu(r, field):
+    v = r.get(field)
+    return "—" if v is None else f"{v:,.1f} µs"
+pinned = all(r.get("pinned") for r in rows)
+lines += [
+    "Placement: " + ("pinned — each server on core 0 (`taskset -c 0`), the driver on core 1." if pinned
+                    else "unpinned — servers and driver share every core."),
+    "Server CPU per operation is the server process's user + system time (`/proc/PID/stat`) over",
+    "the measured window divided by the operations in it (for PostgreSQL, whose work is spread",
+    "over a backend process per connection, it is not counted); driver CPU likewise for the",
+    "driver itself.",
+    "",
+]
+for workload in [w for w in ["lock-churn", "session-churn", "heartbeat"] if any(r["workload"] == w for r in rows)]:
     rs = [r for r in rows if r["workload"] == workload]
     base = next(r for r in rs if r["name"] == "Leasehold")
-    lines += [f"## {workload}", "", "| system | ops/s | p50 | p99 | p99.9 | errors | Leasehold ÷ it |", "|---|---|---|---|---|---|---|"]
+    lines += [f"## {workload}", "", "| system | ops/s | p50 | p99 | p99.9 | errors | server CPU/op | driver CPU/op | Leasehold ÷ it |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         ratio = base["ops_per_s"] / r["ops_per_s"] if r["ops_per_s"] else float("nan")
         lines.append(
             f"| {r['name']} | {r['ops_per_s']:,.0f} | {r['p50_us']/1000:.2f} ms | {r['p99_us']/1000:.2f} ms "
-            f"| {r['p999_us']/1000:.2f} ms | {r['errors']} | {ratio:.2f}× |"
+            f"| {r['p999_us']/1000:.2f} ms | {r['errors']} | {cpu(r, 'server_cpu_us_per_op')} | {cpu(r, 'driver_cpu_us_per_op')} | {ratio:.2f}× |"
         )
     on_pg = next((r for r in rs if r["name"] == "Leasehold on PostgreSQL"), None)
     raw_pg = next((r for r in rs if r["name"] == "PostgreSQL"), None)
@@ -142,14 +278,17 @@ lines += [
     "Leasehold ÷ it: the system's time to all free over Leasehold's, so above 1 means Leasehold",
     "frees the locks sooner.",
     "",
-    "| system | sessions | all free after the deadline | live p99 before | live p99 during | Leasehold ÷ it |",
-    "|---|---|---|---|---|---|",
+    "Server CPU per ended session: the server's CPU from the first deadline to all free, over the",
+    "dying sessions (it includes the live clients' churn and the polling meanwhile).",
+    "",
+    "| system | sessions | all free after the deadline | live p99 before | live p99 during | server CPU / ended session | Leasehold ÷ it |",
+    "|---|---|---|---|---|---|---|",
 ]
 for r in mass:
     ratio = max(r["free_after_ms"], 1) / max(base["free_after_ms"], 1)
     lines.append(
         f"| {r['name']} | {r['sessions']:,} | {r['free_after_ms']:,} ms | {r['baseline_p99_us']/1000:.2f} ms "
-        f"| {r['storm_p99_us']/1000:.2f} ms | {ratio:.2f}× |"
+        f"| {r['storm_p99_us']/1000:.2f} ms | {cpu(r, 'server_cpu_us_per_op')} | {ratio:.2f}× |"
     )
 lines.append("")
 on_pg = next((r for r in mass if r["name"] == "Leasehold on PostgreSQL"), None)

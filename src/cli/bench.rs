@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// No progress line.
     #[arg(long)]
     quiet: bool,
+    /// The server's process id, when it runs on this machine: its CPU time per operation
+    /// over the measured window is reported (`server_cpu_us_per_op`).
+    #[arg(long)]
+    server_pid: Option<u32>,
 }
 
 pub fn run(args: BenchArgs) -> ExitCode {
@@ -70,6 +74,7 @@ pub fn run(args: BenchArgs) -> ExitCode {
         rate: args.rate,
         ttl_ms: args.ttl_ms,
         progress: !args.quiet && !args.json,
+        server_pid: args.server_pid,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

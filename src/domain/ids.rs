@@ -50,6 +50,35 @@ impl fmt::Display for SessionId {
     }
 }
 
+/// Hashes a [`SessionId`] by folding its bits: the id is 122 random bits drawn by the server,
+/// so it is its own good hash, and SipHash over it is work for nothing on every lookup.
+///
+/// Only for maps whose keys the server drew ([`SessionIds`]): an attacker who could choose
+/// keys could pick colliding ones; a client can only look up ids, never insert its own.
+#[derive(Default, Clone, Copy)]
+pub struct SessionIdHasher(u64);
+
+impl std::hash::Hasher for SessionIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // A UUID hashes as its 16 bytes (after a length prefix, which `write_usize` takes).
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(5) ^ u64::from_le_bytes(word);
+        }
+    }
+
+    fn write_usize(&mut self, _len: usize) {}
+}
+
+/// A map keyed by session id, hashed by [`SessionIdHasher`].
+pub type SessionIds<V> =
+    std::collections::HashMap<SessionId, V, std::hash::BuildHasherDefault<SessionIdHasher>>;
+
 /// A job id: a random UUID v4, like session ids never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct JobId(pub Uuid);
@@ -156,6 +185,24 @@ mod tests {
         assert_eq!(err.field, "key");
         // 512 bytes, not characters: 171 three-byte characters are 513 bytes.
         assert!(LockKey::parse("key", &"数".repeat(171)).is_err());
+    }
+
+    #[test]
+    fn session_ids_hash_apart() {
+        use std::hash::BuildHasher;
+        let build = std::hash::BuildHasherDefault::<SessionIdHasher>::default();
+        let a = SessionId::from_u128(1);
+        let b = SessionId::from_u128(1 << 64);
+        let c = SessionId::from_u128(2);
+        let hashes = [build.hash_one(a), build.hash_one(b), build.hash_one(c)];
+        assert_ne!(hashes[0], hashes[1]);
+        assert_ne!(hashes[0], hashes[2]);
+        assert_eq!(build.hash_one(a), build.hash_one(SessionId::from_u128(1)));
+        let mut map: SessionIds<u32> = SessionIds::default();
+        for i in 0..1_000u32 {
+            map.insert(SessionId::random(), i);
+        }
+        assert_eq!(map.len(), 1_000);
     }
 
     #[test]

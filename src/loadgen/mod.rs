@@ -5,6 +5,7 @@
 //! from the *intended* send time, so a stall shows up in the percentiles instead of being
 //! hidden by the clients waiting for it (no coordinated omission).
 
+pub mod cpu;
 mod workloads;
 
 use std::sync::Arc;
@@ -33,6 +34,9 @@ pub struct Options {
     /// TTL of the sessions that mass-expiry lets die.
     pub ttl_ms: u64,
     pub progress: bool,
+    /// The server's process id, when it runs on this machine: its CPU time over the
+    /// measured window is reported per operation (`server_cpu_us_per_op`).
+    pub server_pid: Option<u32>,
 }
 
 /// One run's result, printed as a table or as one JSON line.
@@ -65,11 +69,13 @@ pub fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds")
 }
 
-/// Shared counters the progress line reads.
+/// Shared counters the progress line reads, and the CPU marks `drive` takes at the start
+/// and the end of the measured window.
 #[derive(Default)]
 pub struct Progress {
     pub ops: AtomicU64,
     pub errors: AtomicU64,
+    pub cpu: std::sync::Mutex<Option<(cpu::CpuMark, cpu::CpuMark)>>,
 }
 
 /// What one client task measured.
@@ -97,6 +103,15 @@ where
     let start = Instant::now();
     let measure_from = start + opts.warmup;
     let end = measure_from + opts.duration;
+    let server_pid = opts.server_pid;
+    let marks = progress.clone();
+    let marker = tokio::spawn(async move {
+        tokio::time::sleep_until(measure_from.into()).await;
+        let from = cpu::CpuMark::now(server_pid);
+        tokio::time::sleep_until(end.into()).await;
+        let to = cpu::CpuMark::now(server_pid);
+        *marks.cpu.lock().unwrap_or_else(|p| p.into_inner()) = Some((from, to));
+    });
     let mut tasks = Vec::new();
     for state in states {
         let client = match Client::new(&opts.server) {
@@ -162,6 +177,7 @@ where
             out.push(m);
         }
     }
+    let _ = marker.await;
     out
 }
 
@@ -224,6 +240,15 @@ pub async fn run(opts: Options) -> Result<Report, BenchError> {
 }
 
 impl Report {
+    /// Adds the CPU per operation of the window `drive` measured.
+    pub fn with_cpu(mut self, progress: &Progress) -> Report {
+        let marks = *progress.cpu.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((from, to)) = marks {
+            cpu::per_op(from, to, self.ops, &mut self.extra);
+        }
+        self
+    }
+
     /// A human-readable table.
     pub fn table(&self) -> String {
         let mut out = format!(

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
+use super::cpu::{self, CpuMark};
 use super::{BenchError, Options, Progress, Report, drive, histogram, report, spawn_progress};
 use crate::client::{Client, Reply, segment};
 
@@ -275,7 +276,7 @@ async fn steady(opts: Options, workload: Workload) -> Result<Report, BenchError>
             .delete(&format!("/v1/pools/{}", segment(&pool)))
             .await;
     }
-    Ok(report(workload.name(), clients, seconds, measured))
+    Ok(report(workload.name(), clients, seconds, measured).with_cpu(&progress))
 }
 
 /// Acquire a random free key, then release it; the latency is the acquire's.
@@ -470,14 +471,20 @@ async fn mass_expiry(opts: Options) -> Result<Report, BenchError> {
     // 4. Poll until every dying lock is free.
     let client = Client::new(&opts.server)?;
     let poll = format!("/v1/locks?prefix={}&limit=1", segment(&prefix));
-    let free_at = loop {
+    let mut storm_began = None;
+    let (free_at, storm_cpu) = loop {
         tokio::time::sleep(Duration::from_millis(2)).await;
         if wall_ms() < first_deadline {
             continue;
         }
+        let began = *storm_began.get_or_insert_with(|| CpuMark::now(opts.server_pid));
         let r = client.get(&poll).await?;
         if r.body["locks"].as_array().is_some_and(Vec::is_empty) {
-            break wall_ms();
+            let mut extra = serde_json::Map::new();
+            // The server's CPU from the first deadline to all free, per dying session: the
+            // reaper's work, plus the live clients' churn and this poll meanwhile.
+            cpu::per_op(began, CpuMark::now(opts.server_pid), n as u64, &mut extra);
+            break (wall_ms(), extra);
         }
         if wall_ms() > last_deadline + 120_000 {
             return Err(BenchError::Setup(
@@ -501,7 +508,7 @@ async fn mass_expiry(opts: Options) -> Result<Report, BenchError> {
             free_at,
             samples,
         },
-        serde_json::Map::new(),
+        storm_cpu,
     ))
 }
 

@@ -1,11 +1,13 @@
 //! The same workloads against Leasehold, Redis and PostgreSQL, measured by the same driver
 //! (`leasehold::loadgen`), so that their figures can be compared side by side.
 //!
-//! `compare TARGET lock-churn|heartbeat CLIENTS SECONDS` and
+//! `compare TARGET lock-churn|session-churn|heartbeat CLIENTS SECONDS` and
 //! `compare TARGET mass-expiry CLIENTS SESSIONS TTL_MS` print one JSON line, like
-//! `leasehold bench`. TARGET is `leasehold=URL`, `redis=URL` or `postgres=CONNINFO`. See
+//! `leasehold bench`. TARGET is `leasehold=URL`, `redis=URL`, `postgres=CONNINFO` or
+//! `etcd=URL` (its JSON gateway; not for mass-expiry). See
 //! `run.sh`, which starts the peers and writes the comparison.
 
+mod etcd;
 mod mass_expiry;
 
 use std::sync::Arc;
@@ -66,11 +68,16 @@ fn options(workload: Workload, clients: usize, seconds: f64, server: &str) -> Op
         rate: None,
         ttl_ms: 3_000,
         progress: false,
+        // run.sh names the server process whose CPU each operation costs.
+        server_pid: std::env::var("COMPARE_SERVER_PID")
+            .ok()
+            .and_then(|p| p.parse().ok()),
     }
 }
 
-const USAGE: &str = "usage: compare leasehold=URL|redis=URL|postgres=CONNINFO WORKLOAD ...
-    WORKLOAD ...: lock-churn|heartbeat CLIENTS SECONDS, or mass-expiry CLIENTS SESSIONS TTL_MS";
+const USAGE: &str = "usage: compare leasehold=URL|redis=URL|postgres=CONNINFO|etcd=URL WORKLOAD ...
+    WORKLOAD ...: lock-churn|session-churn|heartbeat CLIENTS SECONDS, or mass-expiry CLIENTS SESSIONS TTL_MS
+    COMPARE_SERVER_PID: the server process, for its CPU per operation";
 
 #[tokio::main]
 async fn main() {
@@ -78,6 +85,7 @@ async fn main() {
     let workload = match args.get(2).map(String::as_str) {
         Some("lock-churn") if args.len() == 5 => Workload::LockChurn,
         Some("heartbeat") if args.len() == 5 => Workload::Heartbeat,
+        Some("session-churn") if args.len() == 5 => Workload::SessionChurn,
         Some("mass-expiry") if args.len() == 6 => Workload::MassExpiry,
         _ => {
             eprintln!("{USAGE}");
@@ -87,7 +95,7 @@ async fn main() {
     let (kind, target) = args[1].split_once('=').expect("TARGET is kind=address");
     let clients: usize = args[3].parse().expect("CLIENTS is a number");
     // The driver hands each task a Leasehold client; the peers' tasks ignore it.
-    let server = if kind == "leasehold" {
+    let server = if kind == "leasehold" || kind == "etcd" {
         target
     } else {
         "http://127.0.0.1:9"
@@ -105,6 +113,11 @@ async fn main() {
         ("leasehold", _) => loadgen::run(opts).await.expect("the Leasehold run"),
         ("redis", Workload::MassExpiry) => mass_expiry::redis(target, &opts).await,
         ("postgres", Workload::MassExpiry) => mass_expiry::postgres(target, &opts).await,
+        ("etcd", Workload::MassExpiry) => {
+            eprintln!("mass-expiry is not driven against etcd");
+            std::process::exit(2);
+        }
+        ("etcd", _) => etcd::run(target, workload, opts).await,
         ("redis", _) => redis_run(target, workload, opts).await,
         ("postgres", _) => pg_run(target, workload, opts).await,
         (other, _) => panic!("unknown target {other}"),
@@ -140,6 +153,7 @@ async fn redis_run(url: &str, workload: Workload, opts: Options) -> loadgen::Rep
     }
     let acquire = Arc::new(redis::Script::new(REDIS_ACQUIRE));
     let release = Arc::new(redis::Script::new(REDIS_RELEASE));
+    let progress = Arc::new(Progress::default());
     let started = Instant::now();
     let measured = drive(
         &opts,
@@ -162,6 +176,7 @@ async fn redis_run(url: &str, workload: Workload, opts: Options) -> loadgen::Rep
                             _ => Err(()),
                         }
                     }
+                    Workload::SessionChurn => redis_session_cycle(&mut conn, c, i).await,
                     _ => redis_lock_pair(&mut conn, &acquire, &release, c, i)
                         .await
                         .map(|latency| vec![latency]),
@@ -169,11 +184,61 @@ async fn redis_run(url: &str, workload: Workload, opts: Options) -> loadgen::Rep
                 ((conn, c, i), r)
             }
         },
-        Arc::new(Progress::default()),
+        progress.clone(),
     )
     .await;
     let seconds = started.elapsed().saturating_sub(opts.warmup).as_secs_f64();
-    report(workload.name(), clients, seconds, measured)
+    report(workload.name(), clients, seconds, measured).with_cpu(&progress)
+}
+
+/// One session-churn unit against Redis, as Leasehold's: open (a session key with a TTL,
+/// `SET … NX PX`), three heartbeats (`PEXPIRE`, which fails for a gone session) and close
+/// (`DEL`). Latency: each request.
+async fn redis_session_cycle(
+    conn: &mut MultiplexedConnection,
+    c: usize,
+    i: usize,
+) -> Result<Vec<Duration>, ()> {
+    let key = format!("cmp:churn:{c}:{i}");
+    let mut latencies = Vec::with_capacity(5);
+    let t = Instant::now();
+    let opened: Option<String> = redis::cmd("SET")
+        .arg(&key)
+        .arg(1)
+        .arg("NX")
+        .arg("PX")
+        .arg(TTL_MS)
+        .query_async(conn)
+        .await
+        .map_err(|_| ())?;
+    latencies.push(t.elapsed());
+    if opened.is_none() {
+        return Err(());
+    }
+    for _ in 0..3 {
+        let t = Instant::now();
+        let beat: i64 = redis::cmd("PEXPIRE")
+            .arg(&key)
+            .arg(TTL_MS)
+            .query_async(conn)
+            .await
+            .map_err(|_| ())?;
+        latencies.push(t.elapsed());
+        if beat != 1 {
+            return Err(());
+        }
+    }
+    let t = Instant::now();
+    let closed: i64 = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(conn)
+        .await
+        .map_err(|_| ())?;
+    latencies.push(t.elapsed());
+    if closed != 1 {
+        return Err(());
+    }
+    Ok(latencies)
 }
 
 async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::Report {
@@ -207,8 +272,20 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
             )
             .await
             .expect("prepare");
-        states.push((client, [acquire, release, beat], c, 0usize));
+        let open = client
+            .prepare(
+                "INSERT INTO lock_session (session_id, owner_id, expires_at)
+                 VALUES ($1, 'compare', now() + interval '10 minutes')",
+            )
+            .await
+            .expect("prepare");
+        let close = client
+            .prepare("DELETE FROM lock_session WHERE session_id = $1")
+            .await
+            .expect("prepare");
+        states.push((client, [acquire, release, beat, open, close], c, 0usize));
     }
+    let progress = Arc::new(Progress::default());
     let started = Instant::now();
     let measured = drive(
         &opts,
@@ -216,7 +293,7 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
         move |_,
               (client, st, c, mut i): (
             Arc<tokio_postgres::Client>,
-            [Statement; 3],
+            [Statement; 5],
             usize,
             usize,
         )| {
@@ -232,6 +309,7 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
                             _ => Err(()),
                         }
                     }
+                    Workload::SessionChurn => pg_session_cycle(&client, &st).await,
                     _ => pg_lock_pair(&client, &st, ids[c], c, i)
                         .await
                         .map(|latency| vec![latency]),
@@ -239,11 +317,37 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
                 ((client, st, c, i), r)
             }
         },
-        Arc::new(Progress::default()),
+        progress.clone(),
     )
     .await;
     let seconds = started.elapsed().saturating_sub(opts.warmup).as_secs_f64();
-    report(workload.name(), clients, seconds, measured)
+    report(workload.name(), clients, seconds, measured).with_cpu(&progress)
+}
+
+/// One session-churn unit against the PostgreSQL tables: `INSERT` the session, three
+/// conditional heartbeat `UPDATE`s, `DELETE` it (its locks would go by the cascade). Each
+/// statement is its own transaction, committed before the next, as Leasehold's requests.
+async fn pg_session_cycle(
+    client: &tokio_postgres::Client,
+    st: &[Statement],
+) -> Result<Vec<Duration>, ()> {
+    let id = uuid::Uuid::new_v4();
+    let mut latencies = Vec::with_capacity(5);
+    for (statement, want) in [
+        (&st[3], 1),
+        (&st[2], 1),
+        (&st[2], 1),
+        (&st[2], 1),
+        (&st[4], 1),
+    ] {
+        let t = Instant::now();
+        let n = client.execute(statement, &[&id]).await.map_err(|_| ())?;
+        latencies.push(t.elapsed());
+        if n != want {
+            return Err(());
+        }
+    }
+    Ok(latencies)
 }
 
 /// One lock-churn unit against Redis: acquire a key, release it; the latency is the acquire's.

@@ -26,7 +26,7 @@ mod tests;
 use super::change::{
     Change, EndReason, Event, EventKind, JobRecord, LockRecord, ReleasedLock, SessionRecord,
 };
-use super::ids::{JobId, LockKey, PoolName, QueueName, SessionId, Token};
+use super::ids::{JobId, LockKey, PoolName, QueueName, SessionId, SessionIds, Token};
 use super::jobs::{JobOutcome, Jobs};
 use super::limits::{InvalidInput, Limits};
 use super::pools::Pools;
@@ -194,7 +194,7 @@ pub struct NotHolder;
 #[derive(Debug, Clone)]
 pub struct State {
     limits: Limits,
-    sessions: HashMap<SessionId, Session>,
+    sessions: SessionIds<Session>,
     locks: HashMap<LockKey, Lock>,
     /// Ordered by deadline so the reaper finds due sessions in O(due), never by a scan.
     expiry: BTreeSet<(Mono, SessionId)>,
@@ -238,7 +238,7 @@ impl State {
     pub fn new(limits: Limits) -> State {
         State {
             limits,
-            sessions: HashMap::new(),
+            sessions: SessionIds::default(),
             locks: HashMap::new(),
             expiry: BTreeSet::new(),
             pools: Pools::default(),
@@ -496,14 +496,32 @@ impl State {
             .remove(&id)
             .expect("end_unchecked is called on a present session");
         self.expiry.remove(&(session.deadline, id));
+        self.end_unlisted(id, session, reason, at, fx)
+    }
+
+    /// Ends `session`, already taken out of `sessions` and `expiry`: releases its locks,
+    /// seats and jobs and records the end, all in `fx`.
+    fn end_unlisted(
+        &mut self,
+        id: SessionId,
+        session: Session,
+        reason: EndReason,
+        at: At,
+        fx: &mut Effects,
+    ) -> Ended {
         let revision = self.next_revision();
         let mut released = Vec::with_capacity(session.locks.len());
+        let mut listed = Vec::with_capacity(session.locks.len());
         for key in session.locks {
             let lock = self
                 .locks
                 .remove(&key)
                 .expect("a session's grant list only names locks it holds");
             debug_assert_eq!(lock.session, id);
+            listed.push(ReleasedLock {
+                key: key.to_string(),
+                token: lock.token,
+            });
             fx.changes.push(Change::DeleteLock {
                 key: key.clone(),
                 session_id: id,
@@ -517,13 +535,7 @@ impl State {
         let mut event = self.event(at.wall, EventKind::for_end(reason));
         event.session_id = Some(id);
         event.reason = Some(reason);
-        event.released = released
-            .iter()
-            .map(|(k, t)| ReleasedLock {
-                key: k.to_string(),
-                token: *t,
-            })
-            .collect();
+        event.released = listed;
         fx.changes.push(Change::Event(event));
         Ended {
             id,
@@ -660,11 +672,17 @@ impl State {
         let mut ended = Vec::new();
         while ended.len() < limit {
             match self.expiry.first() {
-                Some(&(deadline, id)) if deadline <= at.now => {
-                    ended.push(self.end_unchecked(id, EndReason::Expired, at, fx));
-                }
+                Some(&(deadline, _)) if deadline <= at.now => {}
                 _ => break,
             }
+            // One walk of the expiry index per session: taken off it here, not looked up
+            // again by the end.
+            let (_, id) = self.expiry.pop_first().expect("just seen");
+            let session = self
+                .sessions
+                .remove(&id)
+                .expect("every expiry entry names a present session");
+            ended.push(self.end_unlisted(id, session, EndReason::Expired, at, fx));
         }
         ended
     }

@@ -261,6 +261,8 @@ mod tests {
             .map(|h| h.name().to_string())
             .collect();
         assert_eq!(created, names.0);
+        let listed: BTreeSet<String> = tables::ALL.iter().map(|n| n.to_string()).collect();
+        assert_eq!(listed, names.0, "tables::ALL and tables::each_table disagree");
     }
 
     #[test]

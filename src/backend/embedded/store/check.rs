@@ -7,68 +7,89 @@ use super::codec;
 use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS,
-    SEATS, SESSION_JOBS, SESSION_LOCKS, SESSION_SEATS, SESSIONS, SESSIONS_BY_OWNER, counter,
+    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
+    META_SESSION_ROW, POOLS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS,
+    SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, counter, row_of,
 };
 use crate::backend::CheckReport;
-use crate::domain::{
-    Event, JobId, JobRecord, JobStatus, LockRecord, SeatRecord, SessionId, SessionRecord,
-};
+use crate::domain::{Event, JobId, JobRecord, JobStatus, LockRecord, SeatRecord, SessionId};
 
 impl Store {
     /// Verifies the store's own invariants: every lock's session exists, the session → grants
-    /// index matches the locks, the owner index matches the sessions, every record decodes,
-    /// and the counters are at or above everything they issued.
+    /// index matches the locks, the id and owner indexes match the session rows, every record
+    /// decodes, and the counters are at or above everything they issued.
     pub fn check(&self) -> Result<CheckReport, StoreError> {
         let txn = self.read()?;
         let mut report = CheckReport::default();
         let meta = txn.open_table(META).map_err(StoreError::redb)?;
         report.revision = counter(&meta, META_REVISION)?;
         let event_seq = counter(&meta, META_EVENT_SEQ)?;
-        let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
+        let ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
         let by_owner = txn
             .open_table(SESSIONS_BY_OWNER)
             .map_err(StoreError::redb)?;
         let locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        let index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+        let index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
         let events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+        let last_row = counter(&meta, META_SESSION_ROW)?;
         let problems = &mut report.problems;
 
-        for row in sessions.iter().map_err(StoreError::redb)? {
-            let (id, bytes) = row.map_err(StoreError::redb)?;
+        for entry in rows.iter().map_err(StoreError::redb)? {
+            let (row, bytes) = entry.map_err(StoreError::redb)?;
             report.sessions += 1;
-            let id = id.value();
-            match codec::decode::<SessionRecord>(bytes.value()) {
-                Ok(rec) => {
-                    if by_owner
-                        .get((rec.owner.as_str(), id))
-                        .map_err(StoreError::redb)?
-                        .is_none()
-                    {
-                        problems.push(format!(
-                            "session {} is missing from the owner index",
-                            SessionId::from_u128(id)
-                        ));
-                    }
+            let row = row.value();
+            if row > last_row {
+                problems.push(format!(
+                    "session row {row} is above the row counter {last_row}"
+                ));
+            }
+            let stored = match codec::decode::<SessionRow>(bytes.value()) {
+                Ok(stored) => stored,
+                Err(e) => {
+                    problems.push(format!("session row {row} does not decode: {e}"));
+                    continue;
                 }
-                Err(e) => problems.push(format!(
-                    "session {} does not decode: {e}",
-                    SessionId::from_u128(id)
-                )),
+            };
+            let id = stored.id;
+            if row_of(&ids, id)? != Some(row) {
+                problems.push(format!(
+                    "session {id} in row {row} is missing from the id index"
+                ));
+            }
+            if by_owner
+                .get((stored.record.owner.as_str(), id.as_u128()))
+                .map_err(StoreError::redb)?
+                .is_none()
+            {
+                problems.push(format!("session {id} is missing from the owner index"));
             }
         }
-        for row in by_owner.iter().map_err(StoreError::redb)? {
-            let (entry, _) = row.map_err(StoreError::redb)?;
-            let (owner, id) = entry.value();
-            if sessions.get(id).map_err(StoreError::redb)?.is_none() {
+        for entry in ids.iter().map_err(StoreError::redb)? {
+            let (id, row) = entry.map_err(StoreError::redb)?;
+            let (id, row) = (SessionId::from_u128(id.value()), row.value());
+            let holds = match rows.get(row).map_err(StoreError::redb)? {
+                Some(bytes) => codec::decode::<SessionRow>(bytes.value()).is_ok_and(|s| s.id == id),
+                None => false,
+            };
+            if !holds {
                 problems.push(format!(
-                    "owner index names session {} ({owner:?}) which does not exist",
-                    SessionId::from_u128(id)
+                    "id index puts session {id} in row {row}, which holds another or none"
                 ));
             }
         }
-        for row in locks.iter().map_err(StoreError::redb)? {
-            let (key, bytes) = row.map_err(StoreError::redb)?;
+        for entry in by_owner.iter().map_err(StoreError::redb)? {
+            let (entry, _) = entry.map_err(StoreError::redb)?;
+            let (owner, id) = entry.value();
+            let id = SessionId::from_u128(id);
+            if row_of(&ids, id)?.is_none() {
+                problems.push(format!(
+                    "owner index names session {id} ({owner:?}) which does not exist"
+                ));
+            }
+        }
+        for entry in locks.iter().map_err(StoreError::redb)? {
+            let (key, bytes) = entry.map_err(StoreError::redb)?;
             report.locks += 1;
             let key = key.value();
             let rec = match codec::decode::<LockRecord>(bytes.value()) {
@@ -78,17 +99,18 @@ impl Store {
                     continue;
                 }
             };
-            let sid = rec.session_id.as_u128();
-            if sessions.get(sid).map_err(StoreError::redb)?.is_none() {
-                problems.push(format!(
+            match row_of(&ids, rec.session_id)? {
+                None => problems.push(format!(
                     "lock {key:?} is held by session {} which does not exist",
                     rec.session_id
-                ));
-            }
-            if index.get((sid, key)).map_err(StoreError::redb)?.is_none() {
-                problems.push(format!(
-                    "lock {key:?} is missing from its session's grant index"
-                ));
+                )),
+                Some(row) => {
+                    if index.get((row, key)).map_err(StoreError::redb)?.is_none() {
+                        problems.push(format!(
+                            "lock {key:?} is missing from its session's grant index"
+                        ));
+                    }
+                }
             }
             if rec.token.0 > report.revision {
                 problems.push(format!(
@@ -97,19 +119,19 @@ impl Store {
                 ));
             }
         }
-        for row in index.iter().map_err(StoreError::redb)? {
-            let (entry, _) = row.map_err(StoreError::redb)?;
-            let (sid, key) = entry.value();
+        for entry in index.iter().map_err(StoreError::redb)? {
+            let (entry, _) = entry.map_err(StoreError::redb)?;
+            let (row, key) = entry.value();
             let holder = match locks.get(key).map_err(StoreError::redb)? {
-                Some(bytes) => codec::decode::<LockRecord>(bytes.value())
-                    .ok()
-                    .map(|r| r.session_id.as_u128()),
+                Some(bytes) => match codec::decode::<LockRecord>(bytes.value()) {
+                    Ok(r) => row_of(&ids, r.session_id)?,
+                    Err(_) => None,
+                },
                 None => None,
             };
-            if holder != Some(sid) {
+            if holder != Some(row) {
                 problems.push(format!(
-                    "grant index says session {} holds {key:?}, the lock table disagrees",
-                    SessionId::from_u128(sid)
+                    "grant index says session row {row} holds {key:?}, the lock table disagrees"
                 ));
             }
         }
@@ -139,7 +161,7 @@ fn check_seats(
     revision: u64,
     problems: &mut Vec<String>,
 ) -> Result<(), StoreError> {
-    let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    let sessions = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
     let pools = txn.open_table(POOLS).map_err(StoreError::redb)?;
     let seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
     let index = txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
@@ -191,7 +213,7 @@ fn check_jobs(
     revision: u64,
     problems: &mut Vec<String>,
 ) -> Result<(), StoreError> {
-    let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    let sessions = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
     let jobs = txn.open_table(JOBS).map_err(StoreError::redb)?;
     let payloads = txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
     let by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;

@@ -11,6 +11,7 @@ use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable};
 
 use super::error::StoreError;
 use super::fault::{FaultSwitch, FaultyBackend};
+use super::migrate;
 use super::tables::{self, META, META_SCHEMA, SCHEMA_VERSION};
 
 /// The file inside the data directory.
@@ -65,6 +66,8 @@ impl Store {
         Ok((Store::init(db, path)?, switch))
     }
 
+    /// Creates the tables of a new file, or brings an older file to this schema in the
+    /// same transaction; refuses a file newer than this build.
     fn init(db: Database, path: PathBuf) -> Result<Store, StoreError> {
         let txn = db.begin_write().map_err(StoreError::redb)?;
         {
@@ -74,17 +77,28 @@ impl Store {
                 .map_err(StoreError::redb)?
                 .map(|v| v.value());
             match schema {
-                None => {
-                    meta.insert(META_SCHEMA, SCHEMA_VERSION)
-                        .map_err(StoreError::redb)?;
+                None | Some(SCHEMA_VERSION) => {}
+                Some(1) => {
+                    drop(meta);
+                    let done = migrate::v1_to_v2(&txn)?;
+                    tracing::info!(
+                        sessions = done.sessions,
+                        grants = done.grants,
+                        path = %path.display(),
+                        "data file migrated from schema 1 to {SCHEMA_VERSION}"
+                    );
+                    meta = txn.open_table(META).map_err(StoreError::redb)?;
                 }
-                Some(SCHEMA_VERSION) => {}
                 Some(found) => {
                     return Err(StoreError::Schema {
                         found,
                         reads: SCHEMA_VERSION,
                     });
                 }
+            }
+            if schema != Some(SCHEMA_VERSION) {
+                meta.insert(META_SCHEMA, SCHEMA_VERSION)
+                    .map_err(StoreError::redb)?;
             }
             tables::create_all(&txn)?;
         }

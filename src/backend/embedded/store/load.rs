@@ -7,13 +7,11 @@ use super::codec;
 use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOBS, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS, SEATS, SESSIONS, corrupt,
-    counter, stored_key,
+    EVENTS, JOBS, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS, SEATS, SESSION_ROWS,
+    SessionRow, corrupt, counter, stored_key,
 };
 use crate::domain::state::Restore;
-use crate::domain::{
-    JobId, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionId, SessionRecord,
-};
+use crate::domain::{JobId, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionId};
 
 /// The audit counter to continue from: the stored one, unless the log already holds a
 /// higher sequence number — a counter fallen behind (a bug, or a damaged file) would number
@@ -45,12 +43,12 @@ impl Store {
         let meta = txn.open_table(META).map_err(StoreError::redb)?;
         let revision = counter(&meta, META_REVISION)?;
         let event_seq = event_seq_above_the_log(&txn, counter(&meta, META_EVENT_SEQ)?)?;
-        let sessions_table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let sessions_table = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
         let mut sessions = Vec::with_capacity(sessions_table.len().unwrap_or(0) as usize);
         for row in sessions_table.iter().map_err(StoreError::redb)? {
-            let (id, bytes) = row.map_err(StoreError::redb)?;
-            let record: SessionRecord = codec::decode(bytes.value()).map_err(corrupt("session"))?;
-            sessions.push((SessionId::from_u128(id.value()), record.ttl_ms));
+            let (_, bytes) = row.map_err(StoreError::redb)?;
+            let stored: SessionRow = codec::decode(bytes.value()).map_err(corrupt("session"))?;
+            sessions.push((stored.id, stored.record.ttl_ms));
         }
         let locks_table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
         let mut locks = Vec::with_capacity(locks_table.len().unwrap_or(0) as usize);

@@ -7,7 +7,8 @@
 //! - `tables`: the table layout and the row helpers every reader shares;
 //! - `db`: the handle, opening the file and the fail-stop flag;
 //! - `load`: the start-up load; `write`: a [`Batch`] in one write transaction; `read`: point
-//!   and range reads; `check`: the integrity check;
+//!   and range reads; `check`: the integrity check; `migrate`: the versioned migrations of
+//!   older files, run at open;
 //! - [`codec`]: the file format of records; [`fault`]: fault injection for tests.
 
 pub mod backup;
@@ -17,6 +18,7 @@ mod db;
 mod error;
 pub mod fault;
 mod load;
+mod migrate;
 mod read;
 mod tables;
 #[cfg(test)]
@@ -26,6 +28,7 @@ mod write;
 pub use crate::backend::CheckReport;
 pub use db::{DATA_FILE, Store};
 pub use error::StoreError;
+pub use tables::ALL as TABLES;
 pub use write::{Batch, Committed};
 
 /// The data file's name under the path it was first published at.

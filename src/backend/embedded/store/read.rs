@@ -7,8 +7,9 @@ use super::codec;
 use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, POOLS, SEATS, SESSION_JOBS, SESSION_LOCKS,
-    SESSION_SEATS, SESSIONS, SESSIONS_BY_OWNER, corrupt, decoded,
+    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, POOLS, ROW_LOCKS, SEATS, SESSION_IDS,
+    SESSION_JOBS, SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, corrupt, decoded, record_at,
+    row_of, session_record,
 };
 use crate::domain::{
     Event, JobId, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionId, SessionRecord, Token,
@@ -18,11 +19,9 @@ use crate::domain::{
 impl Store {
     pub fn session(&self, id: SessionId) -> Result<Option<SessionRecord>, StoreError> {
         let txn = self.read()?;
-        let table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
-        decoded(
-            table.get(id.as_u128()).map_err(StoreError::redb)?,
-            "session",
-        )
+        let ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
+        let rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
+        session_record(&ids, &rows, id)
     }
 
     /// Sessions in id order after `after`, optionally only those of `owner`.
@@ -33,7 +32,8 @@ impl Store {
         limit: usize,
     ) -> Result<Vec<(SessionId, SessionRecord)>, StoreError> {
         let txn = self.read()?;
-        let table = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
+        let rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
         let start = match after {
             // u128::MAX is a valid cursor only in theory; saturating keeps the range empty.
             Some(id) => id.as_u128().checked_add(1),
@@ -45,13 +45,16 @@ impl Store {
         let mut out = Vec::new();
         match owner {
             None => {
-                for row in table.range(start..).map_err(StoreError::redb)? {
+                // `session_ids` is in id order, the order of the listing.
+                for entry in ids.range(start..).map_err(StoreError::redb)? {
                     if out.len() == limit {
                         break;
                     }
-                    let (id, bytes) = row.map_err(StoreError::redb)?;
-                    let record = codec::decode(bytes.value()).map_err(corrupt("session"))?;
-                    out.push((SessionId::from_u128(id.value()), record));
+                    let (id, row) = entry.map_err(StoreError::redb)?;
+                    let id = SessionId::from_u128(id.value());
+                    if let Some(record) = record_at(&rows, row.value())? {
+                        out.push((id, record));
+                    }
                 }
             }
             Some(owner) => {
@@ -66,10 +69,9 @@ impl Store {
                         break;
                     }
                     let (entry, _) = row.map_err(StoreError::redb)?;
-                    let id = entry.value().1;
-                    if let Some(bytes) = table.get(id).map_err(StoreError::redb)? {
-                        let record = codec::decode(bytes.value()).map_err(corrupt("session"))?;
-                        out.push((SessionId::from_u128(id), record));
+                    let id = SessionId::from_u128(entry.value().1);
+                    if let Some(record) = session_record(&ids, &rows, id)? {
+                        out.push((id, record));
                     }
                 }
             }
@@ -80,14 +82,17 @@ impl Store {
     /// The locks a session holds, as committed, in key order.
     pub fn session_locks(&self, id: SessionId) -> Result<Vec<(String, LockRecord)>, StoreError> {
         let txn = self.read()?;
-        let index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+        let ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
+        let index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
         let locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        let id = id.as_u128();
         let mut out = Vec::new();
-        for row in index.range((id, "")..).map_err(StoreError::redb)? {
+        let Some(session_row) = row_of(&ids, id)? else {
+            return Ok(out);
+        };
+        for row in index.range((session_row, "")..).map_err(StoreError::redb)? {
             let (entry, _) = row.map_err(StoreError::redb)?;
-            let (sid, key) = entry.value();
-            if sid != id {
+            let (row, key) = entry.value();
+            if row != session_row {
                 break;
             }
             if let Some(bytes) = locks.get(key).map_err(StoreError::redb)? {
@@ -169,7 +174,8 @@ impl Store {
     ) -> Result<Vec<(SessionId, SeatRecord, Option<SessionRecord>)>, StoreError> {
         let txn = self.read()?;
         let seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
-        let sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+        let ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
+        let rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
         let mut out = Vec::new();
         for row in seats
             .range((pool, 0u128)..=(pool, u128::MAX))
@@ -178,8 +184,8 @@ impl Store {
             let (k, bytes) = row.map_err(StoreError::redb)?;
             let sid = k.value().1;
             let seat = codec::decode(bytes.value()).map_err(corrupt("seat"))?;
-            let session = decoded(sessions.get(sid).map_err(StoreError::redb)?, "session")?;
-            out.push((SessionId::from_u128(sid), seat, session));
+            let sid = SessionId::from_u128(sid);
+            out.push((sid, seat, session_record(&ids, &rows, sid)?));
         }
         Ok(out)
     }

@@ -1,31 +1,48 @@
 //! The table layout of the data file, and the helpers every reader of its rows shares.
 //!
-//! Tables:
-//! - `meta`: the durable counters (`revision`, `event_seq`) and the schema version;
-//! - `sessions`: session id → `SessionRecord`, with `sessions_by_owner` as its owner index;
-//! - `locks`: key → `LockRecord`, with `session_locks` (session id, key) as the session → grants
-//!   index. redb has no foreign keys, so the cascade is emulated: the domain emits one
-//!   `DeleteLock` per grant of an ending session and they commit in the same transaction.
+//! Tables (schema 2):
+//! - `meta`: the durable counters (`revision`, `event_seq`, `session_row`) and the schema
+//!   version;
+//! - `session_rows`: row number → [`SessionRow`] (the public id and its `SessionRecord`), with
+//!   `session_ids` (session id → row) to find a row by id, and `sessions_by_owner` (owner,
+//!   session id) as the owner index;
+//! - `locks`: key → `LockRecord`, with `row_locks` (row, key) as the session → grants index.
+//!   redb has no foreign keys, so the cascade is emulated: the domain emits one `DeleteLock`
+//!   per grant of an ending session and they commit in the same transaction.
+//!
+//! Why rows: session ids are random (they are capabilities), so rows keyed by them put every
+//! session on a random page of each table, and a mass end dirtied nearly every page of
+//! several B-trees. A row number is issued by the store in creation order (`session_row`
+//! ratchets up and is never reused), so sessions opened together sit on neighbouring pages
+//! of `session_rows` and `row_locks`, and ending them together copies few pages. Only the
+//! small `session_ids` entries and the owner index still follow the random id: listings
+//! and the API's session-id order need them.
 //! - `pools`: name → `PoolRecord`; `seats`: (pool, session id) → `SeatRecord`, with
 //!   `session_seats` (session id, pool) as the session → seats index;
 //! - `jobs`: job id → `JobRecord`, `job_payloads`: job id → payload (written once), with
 //!   `jobs_by_state` (queue, state, job id) for listing dead letters and `session_jobs`
 //!   (session id, job id) for the claims a session holds;
 //! - `events`: sequence number → `Event`, the audit log.
+//!
+//! [`ALL`] names every table of the current schema, for whatever must visit them all (the
+//! migration's check, a backup). Schema 1 (release 0.1.0) kept sessions in `sessions`
+//! (session id → `SessionRecord`) and the grants index in `session_locks` (session id, key);
+//! `migrate` rewrites them into the tables above.
 
 use redb::{Key, ReadableTable, TableDefinition, Value, WriteTransaction};
+use serde::{Deserialize, Serialize};
 
 use super::codec::{self, CodecError};
 use super::error::StoreError;
-use crate::domain::LockKey;
+use crate::domain::{LockKey, SessionId, SessionRecord};
 
 pub(super) const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
-pub(super) const SESSIONS: TableDefinition<u128, &[u8]> = TableDefinition::new("sessions");
+pub(super) const SESSION_ROWS: TableDefinition<u64, &[u8]> = TableDefinition::new("session_rows");
+pub(super) const SESSION_IDS: TableDefinition<u128, u64> = TableDefinition::new("session_ids");
 pub(super) const SESSIONS_BY_OWNER: TableDefinition<(&str, u128), ()> =
     TableDefinition::new("sessions_by_owner");
 pub(super) const LOCKS: TableDefinition<&str, &[u8]> = TableDefinition::new("locks");
-pub(super) const SESSION_LOCKS: TableDefinition<(u128, &str), ()> =
-    TableDefinition::new("session_locks");
+pub(super) const ROW_LOCKS: TableDefinition<(u64, &str), ()> = TableDefinition::new("row_locks");
 pub(super) const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 pub(super) const POOLS: TableDefinition<&str, &[u8]> = TableDefinition::new("pools");
 pub(super) const SEATS: TableDefinition<(&str, u128), &[u8]> = TableDefinition::new("seats");
@@ -38,10 +55,55 @@ pub(super) const JOBS_BY_STATE: TableDefinition<(&str, u8, u128), ()> =
 pub(super) const SESSION_JOBS: TableDefinition<(u128, u128), ()> =
     TableDefinition::new("session_jobs");
 
+/// Schema 1's tables, read only by the migration, which deletes them.
+pub(super) mod v1 {
+    use redb::TableDefinition;
+
+    pub const SESSIONS: TableDefinition<u128, &[u8]> = TableDefinition::new("sessions");
+    pub const SESSION_LOCKS: TableDefinition<(u128, &str), ()> =
+        TableDefinition::new("session_locks");
+}
+
+/// The name of every table of the current schema.
+pub const ALL: &[&str] = &[
+    "meta",
+    "session_rows",
+    "session_ids",
+    "sessions_by_owner",
+    "locks",
+    "row_locks",
+    "events",
+    "pools",
+    "seats",
+    "session_seats",
+    "jobs",
+    "job_payloads",
+    "jobs_by_state",
+    "session_jobs",
+];
+
 pub(super) const META_SCHEMA: &str = "schema";
 pub(super) const META_REVISION: &str = "revision";
 pub(super) const META_EVENT_SEQ: &str = "event_seq";
-pub(super) const SCHEMA_VERSION: u64 = 1;
+/// The last session row number issued; 0 before the first.
+pub(super) const META_SESSION_ROW: &str = "session_row";
+pub(super) const SCHEMA_VERSION: u64 = 2;
+
+/// A stored session: its public id travels in the row, which is keyed by row number.
+///
+/// Postcard is positional: fields are only ever appended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct SessionRow {
+    pub id: SessionId,
+    pub record: SessionRecord,
+}
+
+/// A borrowed [`SessionRow`] to encode without copying the record; the same bytes.
+#[derive(Serialize)]
+pub(super) struct SessionRowRef<'a> {
+    pub id: SessionId,
+    pub record: &'a SessionRecord,
+}
 
 /// Something done to every table of the data file.
 pub(super) trait EachTable {
@@ -55,10 +117,11 @@ pub(super) trait EachTable {
 /// file holding any other), so a table added to the layout is added here.
 pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
     f.table(META)?;
-    f.table(SESSIONS)?;
+    f.table(SESSION_ROWS)?;
+    f.table(SESSION_IDS)?;
     f.table(SESSIONS_BY_OWNER)?;
     f.table(LOCKS)?;
-    f.table(SESSION_LOCKS)?;
+    f.table(ROW_LOCKS)?;
     f.table(EVENTS)?;
     f.table(POOLS)?;
     f.table(SEATS)?;
@@ -72,11 +135,12 @@ pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
 
 /// Creates every table that is missing, so that readers never find one absent.
 pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
-    txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
+    txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
     txn.open_table(SESSIONS_BY_OWNER)
         .map_err(StoreError::redb)?;
     txn.open_table(LOCKS).map_err(StoreError::redb)?;
-    txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+    txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
     txn.open_table(EVENTS).map_err(StoreError::redb)?;
     txn.open_table(POOLS).map_err(StoreError::redb)?;
     txn.open_table(SEATS).map_err(StoreError::redb)?;
@@ -120,4 +184,36 @@ pub(super) fn stored_key(text: &str) -> Result<LockKey, StoreError> {
         key: text.to_string(),
         rule: e.to_string(),
     })
+}
+
+/// The row of session `id`, if it has one.
+pub(super) fn row_of(
+    ids: &impl ReadableTable<u128, u64>,
+    id: SessionId,
+) -> Result<Option<u64>, StoreError> {
+    Ok(ids
+        .get(id.as_u128())
+        .map_err(StoreError::redb)?
+        .map(|r| r.value()))
+}
+
+/// The stored record of session `id`, found through its row.
+pub(super) fn session_record(
+    ids: &impl ReadableTable<u128, u64>,
+    rows: &impl ReadableTable<u64, &'static [u8]>,
+    id: SessionId,
+) -> Result<Option<SessionRecord>, StoreError> {
+    match row_of(ids, id)? {
+        Some(row) => record_at(rows, row),
+        None => Ok(None),
+    }
+}
+
+/// The stored record in session row `row`, if there is one.
+pub(super) fn record_at(
+    rows: &impl ReadableTable<u64, &'static [u8]>,
+    row: u64,
+) -> Result<Option<SessionRecord>, StoreError> {
+    let found: Option<SessionRow> = decoded(rows.get(row).map_err(StoreError::redb)?, "session")?;
+    Ok(found.map(|r| r.record))
 }

@@ -164,3 +164,227 @@ fn old_events_are_trimmed_in_bounded_batches() {
     let left: Vec<u64> = store.events(0, 10).unwrap().iter().map(|e| e.seq).collect();
     assert_eq!(left, vec![5]);
 }
+
+/// Rewrites a schema-2 file into the layout release 0.1.0 wrote (schema 1): sessions keyed by
+/// their id in `sessions`, the grants index in `session_locks`, no row tables or counter.
+/// Every other table had the same layout in 0.1.0, so what it leaves is a 0.1.0 file.
+fn downgrade_to_v1(dir: &std::path::Path) {
+    use redb::{ReadableDatabase, ReadableTable, TableHandle};
+
+    use super::tables::{
+        META, META_SCHEMA, META_SESSION_ROW, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SessionRow, v1,
+    };
+    let db = redb::Database::open(dir.join(DATA_FILE)).unwrap();
+    let txn = db.begin_write().unwrap();
+    {
+        let rows = txn.open_table(SESSION_ROWS).unwrap();
+        let index = txn.open_table(ROW_LOCKS).unwrap();
+        let mut old = txn.open_table(v1::SESSIONS).unwrap();
+        let mut old_index = txn.open_table(v1::SESSION_LOCKS).unwrap();
+        let mut by_row = std::collections::HashMap::new();
+        for entry in rows.iter().unwrap() {
+            let (row, bytes) = entry.unwrap();
+            let stored: SessionRow = super::codec::decode(bytes.value()).unwrap();
+            by_row.insert(row.value(), stored.id.as_u128());
+            old.insert(
+                stored.id.as_u128(),
+                super::codec::encode(&stored.record).as_slice(),
+            )
+            .unwrap();
+        }
+        for entry in index.iter().unwrap() {
+            let (k, _) = entry.unwrap();
+            let (row, key) = k.value();
+            old_index.insert((by_row[&row], key), ()).unwrap();
+        }
+        let mut meta = txn.open_table(META).unwrap();
+        meta.insert(META_SCHEMA, 1).unwrap();
+        meta.remove(META_SESSION_ROW).unwrap();
+    }
+    txn.delete_table(SESSION_ROWS).unwrap();
+    txn.delete_table(SESSION_IDS).unwrap();
+    txn.delete_table(ROW_LOCKS).unwrap();
+    txn.commit().unwrap();
+    let read = db.begin_read().unwrap();
+    let tables: Vec<String> = read
+        .list_tables()
+        .unwrap()
+        .map(|t| t.name().to_string())
+        .collect();
+    assert!(tables.contains(&"sessions".to_string()), "{tables:?}");
+    assert!(!tables.contains(&"session_rows".to_string()), "{tables:?}");
+}
+
+/// A file written by 0.1.0 opens with this build and keeps its sessions (ids, owners, TTLs,
+/// metadata), locks and their tokens, pools, seats, jobs, audit events and counters; the
+/// migrated file checks clean, names only this schema's tables, and new sessions get rows
+/// above the migrated ones.
+#[test]
+fn a_schema_1_file_migrates_and_keeps_everything() {
+    use crate::domain::{NewJob, PoolName};
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    let mut fx = Effects::default();
+    let pool = PoolName::parse("pool", "licences").unwrap();
+    state
+        .put_pool(&pool, 3, "{}".into(), None, at(0), &mut fx)
+        .unwrap();
+    let queue = LockKey::parse("queue", "thumbs").unwrap();
+    let mut ids = Vec::new();
+    for i in 0..20u64 {
+        let id = SessionId::random();
+        ids.push(id);
+        state
+            .open(
+                id,
+                format!("owner-{}", i % 3),
+                Some(60_000),
+                format!("{{\"n\":{i}}}"),
+                at(10 + i),
+                &mut fx,
+            )
+            .unwrap();
+        for k in 0..(i % 3) {
+            let key = LockKey::parse("key", &format!("k/{i}/{k}")).unwrap();
+            state.acquire(id, &key, at(40 + i), &mut fx).unwrap();
+        }
+        if i < 2 {
+            state
+                .acquire_seat(id, &pool, String::new(), at(60 + i), &mut fx)
+                .unwrap();
+        }
+        if i == 5 {
+            let job = NewJob {
+                queue: queue.clone(),
+                payload: "{}".into(),
+                idempotent: true,
+                max_recoveries: None,
+                kind: None,
+            };
+            state
+                .enqueue(crate::domain::JobId::random(), job, at(70), &mut fx)
+                .unwrap();
+            state.claim(id, &queue, at(71), &mut fx).unwrap().unwrap();
+        }
+        commit(&store, &state, &mut fx);
+    }
+    // Some end, as in service: their rows and grants must not come back.
+    for id in &ids[15..] {
+        state
+            .end(*id, crate::domain::EndReason::Closed, at(100), &mut fx)
+            .unwrap();
+    }
+    commit(&store, &state, &mut fx);
+    let before = store.load().unwrap();
+    let sessions_before: Vec<_> = ids[..15]
+        .iter()
+        .map(|id| (*id, store.session(*id).unwrap().unwrap()))
+        .collect();
+    let locks_before: Vec<_> = ids
+        .iter()
+        .map(|id| store.session_locks(*id).unwrap())
+        .collect();
+    let events_before = store.events(0, 1_000).unwrap();
+    drop(store);
+
+    downgrade_to_v1(dir.path());
+
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let after = store.load().unwrap();
+    assert_eq!(after.revision, before.revision);
+    assert_eq!(after.event_seq, before.event_seq);
+    let sorted = |mut v: Vec<(SessionId, u64)>| {
+        v.sort();
+        v
+    };
+    assert_eq!(
+        sorted(after.sessions.clone()),
+        sorted(before.sessions.clone())
+    );
+    assert_eq!(after.sessions.len(), 15);
+    assert_eq!(after.locks, before.locks);
+    assert_eq!(after.pools, before.pools);
+    assert_eq!(after.seats, before.seats);
+    assert_eq!(after.jobs, before.jobs);
+    for (id, record) in &sessions_before {
+        assert_eq!(store.session(*id).unwrap().as_ref(), Some(record));
+    }
+    for (id, locks) in ids.iter().zip(&locks_before) {
+        assert_eq!(&store.session_locks(*id).unwrap(), locks);
+    }
+    assert_eq!(store.events(0, 1_000).unwrap(), events_before);
+    // Rows follow creation order: the first session opened got the first row.
+    assert_eq!(after.sessions[0].0, ids[0]);
+    let owners = store.sessions(Some("owner-1"), None, 100).unwrap();
+    assert_eq!(owners.len(), 5);
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.sessions, 15);
+
+    // The state rebuilt from the migrated file carries on: a new session and a new grant.
+    let mut state = State::restore(Limits::default(), after, Mono(0)).unwrap();
+    let id = SessionId::random();
+    state
+        .open(id, "new".into(), None, String::new(), at(200), &mut fx)
+        .unwrap();
+    let key = LockKey::parse("key", "after-migration").unwrap();
+    let granted = state.acquire(id, &key, at(201), &mut fx).unwrap();
+    assert!(granted.token.0 > before.revision);
+    commit(&store, &state, &mut fx);
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(store.session_locks(id).unwrap().len(), 1);
+    drop(store);
+
+    // Opening again migrates nothing more: the file is at this schema.
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    assert_eq!(store.load().unwrap().sessions.len(), 16);
+    drop(store);
+    use redb::{ReadableDatabase, TableHandle};
+    let db = redb::Database::open(dir.path().join(DATA_FILE)).unwrap();
+    let read = db.begin_read().unwrap();
+    let mut tables: Vec<String> = read
+        .list_tables()
+        .unwrap()
+        .map(|t| t.name().to_string())
+        .collect();
+    tables.sort();
+    let mut expected: Vec<String> = TABLES.iter().map(|t| t.to_string()).collect();
+    expected.sort();
+    assert_eq!(tables, expected);
+}
+
+#[test]
+fn a_file_newer_than_this_build_is_refused_untouched() {
+    use redb::ReadableDatabase;
+
+    use super::tables::{META, META_SCHEMA};
+    let dir = tempfile::tempdir().unwrap();
+    drop(Store::open(dir.path(), 1 << 20).unwrap());
+    {
+        let db = redb::Database::open(dir.path().join(DATA_FILE)).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert(META_SCHEMA, 99)
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    let err = Store::open(dir.path(), 1 << 20).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Schema {
+                found: 99,
+                reads: 2
+            }
+        ),
+        "{err}"
+    );
+    let db = redb::Database::open(dir.path().join(DATA_FILE)).unwrap();
+    let read = db.begin_read().unwrap();
+    let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
+    assert_eq!(schema.map(|v| v.value()), Some(99));
+}

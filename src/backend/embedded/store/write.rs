@@ -10,11 +10,11 @@ use super::codec;
 use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS,
-    SEATS, SESSION_JOBS, SESSION_LOCKS, SESSION_SEATS, SESSIONS, SESSIONS_BY_OWNER, corrupt,
-    counter,
+    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
+    META_SESSION_ROW, POOLS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS,
+    SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowRef, corrupt, counter, row_of,
 };
-use crate::domain::{Change, Event, JobRecord, JobStatus, SessionRecord, UnixMs};
+use crate::domain::{Change, Event, JobRecord, JobStatus, UnixMs};
 
 /// One transaction's worth of writes.
 pub struct Batch<'a> {
@@ -79,12 +79,17 @@ fn unindex_job(
 
 fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreError> {
     let mut meta = txn.open_table(META).map_err(StoreError::redb)?;
-    let mut sessions = txn.open_table(SESSIONS).map_err(StoreError::redb)?;
+    let mut rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
+    let mut ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
     let mut by_owner = txn
         .open_table(SESSIONS_BY_OWNER)
         .map_err(StoreError::redb)?;
     let mut locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-    let mut index = txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
+    let mut index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
+    // Rows are issued in commit order, which is creation order: the domain emits a
+    // session's `PutSession` in the batch that opens it.
+    let stored_row = counter(&meta, META_SESSION_ROW)?;
+    let mut last_row = stored_row;
     let mut events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
     let mut pools = txn.open_table(POOLS).map_err(StoreError::redb)?;
     let mut seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
@@ -97,36 +102,54 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     for change in batch.changes {
         match change {
             Change::PutSession { id, record } => {
-                let id = id.as_u128();
-                sessions
-                    .insert(id, codec::encode(record).as_slice())
+                // A session is put once, at its open; a second put of the same id keeps
+                // its row rather than leaving the first one orphaned.
+                let row = match row_of(&ids, *id)? {
+                    Some(row) => row,
+                    None => {
+                        last_row += 1;
+                        last_row
+                    }
+                };
+                let bytes = codec::encode(&SessionRowRef { id: *id, record });
+                rows.insert(row, bytes.as_slice())
                     .map_err(StoreError::redb)?;
+                ids.insert(id.as_u128(), row).map_err(StoreError::redb)?;
                 by_owner
-                    .insert((record.owner.as_str(), id), ())
+                    .insert((record.owner.as_str(), id.as_u128()), ())
                     .map_err(StoreError::redb)?;
             }
             Change::SetSessionTtl { id, ttl_ms } => {
-                let found = sessions
-                    .get(id.as_u128())
+                let Some(row) = row_of(&ids, *id)? else {
+                    continue;
+                };
+                let found = rows
+                    .get(row)
                     .map_err(StoreError::redb)?
-                    .map(|b| codec::decode::<SessionRecord>(b.value()));
-                if let Some(record) = found {
-                    let mut record = record.map_err(corrupt("session"))?;
-                    record.ttl_ms = *ttl_ms;
-                    sessions
-                        .insert(id.as_u128(), codec::encode(&record).as_slice())
+                    .map(|b| codec::decode::<SessionRow>(b.value()));
+                if let Some(stored) = found {
+                    let mut stored = stored.map_err(corrupt("session"))?;
+                    stored.record.ttl_ms = *ttl_ms;
+                    rows.insert(row, codec::encode(&stored).as_slice())
                         .map_err(StoreError::redb)?;
                 }
             }
             Change::DeleteSession { id } => {
-                let removed = sessions
+                let Some(row) = ids
                     .remove(id.as_u128())
                     .map_err(StoreError::redb)?
-                    .map(|b| codec::decode::<SessionRecord>(b.value()));
-                if let Some(record) = removed {
-                    let record = record.map_err(corrupt("session"))?;
+                    .map(|r| r.value())
+                else {
+                    continue;
+                };
+                let removed = rows
+                    .remove(row)
+                    .map_err(StoreError::redb)?
+                    .map(|b| codec::decode::<SessionRow>(b.value()));
+                if let Some(stored) = removed {
+                    let stored = stored.map_err(corrupt("session"))?;
                     by_owner
-                        .remove((record.owner.as_str(), id.as_u128()))
+                        .remove((stored.record.owner.as_str(), id.as_u128()))
                         .map_err(StoreError::redb)?;
                 }
             }
@@ -134,15 +157,22 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 locks
                     .insert(key.as_str(), codec::encode(record).as_slice())
                     .map_err(StoreError::redb)?;
-                index
-                    .insert((record.session_id.as_u128(), key.as_str()), ())
-                    .map_err(StoreError::redb)?;
+                // The domain grants only to a present session; a holder without a row is
+                // left unindexed, for `check` to report.
+                if let Some(row) = row_of(&ids, record.session_id)? {
+                    index
+                        .insert((row, key.as_str()), ())
+                        .map_err(StoreError::redb)?;
+                }
             }
             Change::DeleteLock { key, session_id } => {
                 locks.remove(key.as_str()).map_err(StoreError::redb)?;
-                index
-                    .remove((session_id.as_u128(), key.as_str()))
-                    .map_err(StoreError::redb)?;
+                // An ending session's grants are deleted before its row, in one batch.
+                if let Some(row) = row_of(&ids, *session_id)? {
+                    index
+                        .remove((row, key.as_str()))
+                        .map_err(StoreError::redb)?;
+                }
             }
             Change::PutPool { name, record } => {
                 pools
@@ -250,6 +280,10 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
         .map_err(StoreError::redb)?;
     meta.insert(META_EVENT_SEQ, batch.event_seq)
         .map_err(StoreError::redb)?;
+    if last_row != stored_row {
+        meta.insert(META_SESSION_ROW, last_row)
+            .map_err(StoreError::redb)?;
+    }
 
     let mut committed = Committed::default();
     if let Some((before, limit)) = batch.trim_events {

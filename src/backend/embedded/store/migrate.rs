@@ -1,0 +1,82 @@
+//! Versioned migrations of the data file, run by `Store::open` in the transaction that
+//! checks the schema, so a migration commits whole or not at all: a crash part-way leaves
+//! the file at the version it had, and the next open runs it again.
+//!
+//! Each step takes the file from one version to the next and touches only what changed
+//! between them; counters, locks, pools, seats, jobs and the audit log are carried as they
+//! are, so every token and sequence number issued before stays issued.
+
+use redb::{ReadableTable, ReadableTableMetadata, WriteTransaction};
+
+use super::codec;
+use super::error::StoreError;
+use super::tables::{
+    META, META_SESSION_ROW, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SessionRowRef, corrupt, counter,
+    v1,
+};
+use crate::domain::{SessionId, SessionRecord};
+
+/// What a migration step rewrote, for the log line that reports it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Migrated {
+    pub sessions: u64,
+    pub grants: u64,
+}
+
+/// Schema 1 (release 0.1.0) → 2: sessions move from rows keyed by their random id to rows
+/// keyed by a creation-ordered row number, and the grants index from (session id, key) to
+/// (row, key).
+///
+/// Rows are issued in the order the sessions were created (`created_at`, then id), so the
+/// sessions a storm ends together sit together from the start.
+pub fn v1_to_v2(txn: &WriteTransaction) -> Result<Migrated, StoreError> {
+    let mut done = Migrated::default();
+    let mut sessions: Vec<(SessionId, SessionRecord)> = Vec::new();
+    {
+        let old = txn.open_table(v1::SESSIONS).map_err(StoreError::redb)?;
+        sessions.reserve(old.len().map_err(StoreError::redb)? as usize);
+        for entry in old.iter().map_err(StoreError::redb)? {
+            let (id, bytes) = entry.map_err(StoreError::redb)?;
+            let record: SessionRecord = codec::decode(bytes.value()).map_err(corrupt("session"))?;
+            sessions.push((SessionId::from_u128(id.value()), record));
+        }
+    }
+    sessions.sort_by_key(|(id, r)| (r.created_at, *id));
+    let mut meta = txn.open_table(META).map_err(StoreError::redb)?;
+    // A file at schema 1 has no rows yet; a counter present would be from a torn attempt,
+    // which cannot commit, so it is read only to ratchet.
+    let mut row = counter(&meta, META_SESSION_ROW)?;
+    {
+        let mut rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
+        let mut ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
+        let mut index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
+        let old_index = txn
+            .open_table(v1::SESSION_LOCKS)
+            .map_err(StoreError::redb)?;
+        for (id, record) in &sessions {
+            row += 1;
+            let bytes = codec::encode(&SessionRowRef { id: *id, record });
+            rows.insert(row, bytes.as_slice())
+                .map_err(StoreError::redb)?;
+            ids.insert(id.as_u128(), row).map_err(StoreError::redb)?;
+            done.sessions += 1;
+            let sid = id.as_u128();
+            for entry in old_index.range((sid, "")..).map_err(StoreError::redb)? {
+                let (entry, _) = entry.map_err(StoreError::redb)?;
+                let (holder, key) = entry.value();
+                if holder != sid {
+                    break;
+                }
+                index.insert((row, key), ()).map_err(StoreError::redb)?;
+                done.grants += 1;
+            }
+        }
+    }
+    meta.insert(META_SESSION_ROW, row)
+        .map_err(StoreError::redb)?;
+    drop(meta);
+    txn.delete_table(v1::SESSIONS).map_err(StoreError::redb)?;
+    txn.delete_table(v1::SESSION_LOCKS)
+        .map_err(StoreError::redb)?;
+    Ok(done)
+}
