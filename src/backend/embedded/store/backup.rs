@@ -185,7 +185,8 @@ impl Store {
 }
 
 /// Reads what a backup file holds without writing to it; refuses a file that is not a
-/// backup (no `backup_revision`), or whose schema this build does not read.
+/// backup (no `backup_revision`), or whose schema is newer than this build reads. An older
+/// schema is accepted: opening the restored copy migrates it, as it does a data directory.
 pub fn inspect(path: &Path) -> Result<BackupInfo, StoreError> {
     let not_a_backup = |why: String| StoreError::NotABackup {
         path: path.to_path_buf(),
@@ -210,7 +211,7 @@ pub fn inspect(path: &Path) -> Result<BackupInfo, StoreError> {
         ));
     };
     let schema = counter(&meta, META_SCHEMA)?;
-    if schema != tables::SCHEMA_VERSION {
+    if schema > tables::SCHEMA_VERSION {
         return Err(StoreError::Schema {
             found: schema,
             reads: tables::SCHEMA_VERSION,
@@ -285,6 +286,17 @@ mod tests {
         let seen = inspect(&dest).unwrap();
         assert_eq!(seen.revision, 7);
         assert_eq!(seen.taken_at, UnixMs(99));
+        // A backup of a newer schema is refused by its version.
+        let db = redb::Database::open(&dest).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert(META_SCHEMA, tables::SCHEMA_VERSION + 1)
+            .unwrap();
+        txn.commit().unwrap();
+        drop(db);
+        let e = inspect(&dest).unwrap_err();
+        assert!(matches!(e, StoreError::Schema { .. }), "{e}");
         // The data file itself is not a backup.
         drop(store);
         let e = inspect(&dir.path().join(super::super::DATA_FILE)).unwrap_err();
