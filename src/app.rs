@@ -9,6 +9,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::api::gate::Gate;
+use crate::auth::Auth;
 use crate::backend::embedded::store::{Store, StoreError};
 use crate::backend::embedded::{Embedded, StartError};
 use crate::backend::postgres::{self, Postgres};
@@ -26,6 +28,8 @@ pub enum AppError {
     Start(#[from] StartError),
     #[error(transparent)]
     Postgres(#[from] postgres::StartError),
+    #[error(transparent)]
+    Tokens(#[from] crate::auth::TokensError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -37,6 +41,8 @@ pub enum AppError {
 pub struct App {
     pub addr: SocketAddr,
     pub engine: Engine,
+    /// The loaded API tokens, when a tokens file is configured.
+    pub auth: Option<Arc<Auth>>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
 }
@@ -72,6 +78,23 @@ impl App {
     }
 
     async fn serve(config: &Config, engine: Engine) -> Result<App, AppError> {
+        let auth = match &config.tokens_file {
+            Some(path) => match Auth::load(path, config.rate_limit()) {
+                Ok(a) => Some(Arc::new(a)),
+                Err(e) => {
+                    engine.shutdown();
+                    return Err(e.into());
+                }
+            },
+            None => None,
+        };
+        match &auth {
+            Some(a) => tracing::info!(tokens = a.len(), "API tokens loaded"),
+            None => tracing::warn!(
+                listen = %config.listen,
+                "no tokens_file: serving a loopback address only, and every caller may do everything"
+            ),
+        }
         let listener = match TcpListener::bind(config.listen).await {
             Ok(l) => l,
             Err(source) => {
@@ -86,23 +109,42 @@ impl App {
             addr: config.listen,
             source,
         })?;
-        let router = crate::api::router(engine.clone(), config.max_body_bytes);
+        let api = config.api();
+        let router = crate::api::router(engine.clone(), api);
+        let gate = Arc::new(Gate {
+            auth: auth.clone(),
+            metrics_open: config.metrics_open,
+            max_body_bytes: api.max_body_bytes,
+            job_body_bytes: api.job_body_bytes(),
+        });
         let limits = ServerLimits {
             header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
             idle_timeout: Duration::from_millis(config.idle_timeout_ms),
             max_connections: config.max_connections,
+            max_connections_per_client: config.max_connections_per_client,
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
         };
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::run(listener, router, limits, async {
+        let task = tokio::spawn(server::run(listener, router, gate, limits, async {
             let _ = stopped.await;
         }));
         Ok(App {
             addr,
             engine,
+            auth,
             stop: Some(stop),
             task: Some(task),
         })
+    }
+
+    /// Reads the tokens file again (what SIGHUP does). A file that does not parse leaves
+    /// the tokens in force as they were.
+    pub fn reload(&self) -> Result<(), AppError> {
+        if let Some(auth) = &self.auth {
+            let n = auth.reload()?;
+            tracing::info!(tokens = n, "API tokens reloaded");
+        }
+        Ok(())
     }
 
     pub fn url(&self) -> String {

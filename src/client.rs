@@ -35,6 +35,8 @@ pub struct Client {
     base: String,
     http: HyperClient<HttpConnector, Full<Bytes>>,
     timeout: Duration,
+    /// Sent as `Authorization: Bearer …` when set.
+    token: Option<std::sync::Arc<str>>,
 }
 
 /// Percent-encodes one path segment (a lock key), `/` included.
@@ -57,7 +59,14 @@ impl Client {
             base,
             http: HyperClient::builder(TokioExecutor::new()).build(connector),
             timeout: Duration::from_secs(120),
+            token: None,
         })
+    }
+
+    /// The same client, calling with an API token.
+    pub fn with_token(mut self, token: Option<&str>) -> Client {
+        self.token = token.filter(|t| !t.is_empty()).map(Into::into);
+        self
     }
 
     pub fn base(&self) -> &str {
@@ -71,10 +80,14 @@ impl Client {
         body: Option<&Value>,
     ) -> Result<Reply, ClientError> {
         let bytes = body.map(|b| b.to_string()).unwrap_or_default();
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(method)
             .uri(format!("{}{}", self.base, path))
-            .header("content-type", "application/json")
+            .header("content-type", "application/json");
+        if let Some(t) = &self.token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let req = req
             .body(Full::new(Bytes::from(bytes)))
             .map_err(|e| ClientError::Url(path.to_string(), e.to_string()))?;
         let fut = async {

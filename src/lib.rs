@@ -39,6 +39,7 @@
 
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod backend;
 pub mod cli;
 pub mod client;

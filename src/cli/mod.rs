@@ -297,6 +297,38 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_connections: Option<usize>,
+    /// Most open connections from one client address [default: 1024]
+    #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS_PER_CLIENT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_connections_per_client: Option<usize>,
+    /// Longest a request body may take to arrive, in ms [default: 10000]
+    #[arg(long, env = "LEASEHOLD_BODY_READ_TIMEOUT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body_read_timeout_ms: Option<u64>,
+    /// Most requests waiting on one key, pool or queue [default: 1000]
+    #[arg(long, env = "LEASEHOLD_MAX_WAITERS_PER_KEY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_waiters_per_key: Option<u32>,
+    /// Most requests of one token waiting at once [default: 1000]
+    #[arg(long, env = "LEASEHOLD_MAX_WAITERS_PER_TOKEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_waiters_per_token: Option<u32>,
+    /// The API tokens file; without one only loopback addresses may be served [default: none]
+    #[arg(long, env = "LEASEHOLD_TOKENS_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokens_file: Option<PathBuf>,
+    /// Requests a second per token, sustained [default: 1000]
+    #[arg(long, env = "LEASEHOLD_RATE_LIMIT_PER_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rate_limit_per_s: Option<f64>,
+    /// Requests per token at once above the sustained rate [default: 2000]
+    #[arg(long, env = "LEASEHOLD_RATE_LIMIT_BURST")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rate_limit_burst: Option<u32>,
+    /// Serve /metrics without a token [default: false]
+    #[arg(long, env = "LEASEHOLD_METRICS_OPEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics_open: Option<bool>,
     /// How long shutdown waits for in-flight requests, in ms [default: 10000]
     #[arg(long, env = "LEASEHOLD_SHUTDOWN_GRACE_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -1,4 +1,5 @@
-//! `leasehold serve`: configuration → logging → store → engine → HTTP, until SIGTERM/SIGINT.
+//! `leasehold serve`: configuration → logging → store → engine → HTTP, until SIGTERM/SIGINT;
+//! SIGHUP reloads the tokens file.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -66,6 +67,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
                 "leasehold is serving"
             ),
         }
+        reload_on_hangup(app.auth.clone());
         app.serve_until(shutdown_signal()).await;
         tracing::info!("stopped");
         ExitCode::SUCCESS
@@ -83,6 +85,27 @@ fn init_logging(config: &Config) {
         // No colours: under systemd the journal would store the escape codes.
         LogFormat::Text => builder.with_ansi(false).init(),
     }
+}
+
+/// SIGHUP reloads the tokens file; connections and requests in flight carry on. Without a
+/// tokens file it is logged and ignored, rather than ending the process.
+fn reload_on_hangup(auth: Option<Arc<crate::auth::Auth>>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            match &auth {
+                Some(a) => match a.reload() {
+                    Ok(n) => tracing::info!(tokens = n, "SIGHUP: API tokens reloaded"),
+                    Err(e) => tracing::error!(
+                        error = %e,
+                        "SIGHUP: the tokens file was not reloaded; the tokens in force stay"
+                    ),
+                },
+                None => tracing::info!("SIGHUP: no tokens_file to reload"),
+            }
+        }
+    });
 }
 
 async fn shutdown_signal() {
