@@ -5,6 +5,7 @@ mod bench;
 mod check;
 mod remote;
 mod serve;
+mod tokens;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -97,6 +98,15 @@ enum Command {
     },
     /// Generate load against a running server and report throughput and latency.
     Bench(bench::BenchArgs),
+    /// Create, list or revoke API tokens in a tokens file (the server reloads it on
+    /// SIGHUP).
+    Tokens {
+        /// The tokens file, as the server's tokens_file setting names it.
+        #[arg(long, env = "LEASEHOLD_TOKENS_FILE")]
+        file: PathBuf,
+        #[command(subcommand)]
+        action: TokensAction,
+    },
     /// Run a reaper pass now, or with --dry-run list what it would end.
     Reap {
         #[command(flatten)]
@@ -104,6 +114,30 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum TokensAction {
+    /// Add a token and print its secret, once: only its hash is stored.
+    Create {
+        /// A unique name, named in audit records and logs.
+        name: String,
+        #[arg(long, value_enum)]
+        role: crate::auth::Role,
+        /// Restrict the token to lock keys starting with this prefix (repeatable).
+        #[arg(long = "key-prefix")]
+        keys: Vec<String>,
+        /// Restrict the token to pools starting with this prefix (repeatable).
+        #[arg(long = "pool-prefix")]
+        pools: Vec<String>,
+        /// Restrict the token to queues starting with this prefix (repeatable).
+        #[arg(long = "queue-prefix")]
+        queues: Vec<String>,
+    },
+    /// List the tokens: names, roles and scopes (never secrets).
+    List,
+    /// Remove a token; it stops working when the server reloads the file.
+    Revoke { name: String },
 }
 
 /// Where the PostgreSQL state lives.
@@ -127,6 +161,10 @@ struct ServerArg {
         global = true
     )]
     server: String,
+    /// The API token to call with (sent as `Authorization: Bearer`); needed when the
+    /// server has a tokens file.
+    #[arg(long, env = "LEASEHOLD_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -363,26 +401,19 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Migrate { postgres } => {
             check::migrate(postgres.postgres_url.as_deref(), &postgres.namespace)
         }
-        Command::Sessions { server, action } => {
-            remote::block_on(remote::sessions(&server.server, action))
-        }
-        Command::Locks { server, action } => {
-            remote::block_on(remote::locks(&server.server, action))
-        }
+        Command::Sessions { server, action } => remote::block_on(remote::sessions(&server, action)),
+        Command::Locks { server, action } => remote::block_on(remote::locks(&server, action)),
         Command::Events {
             server,
             after,
             limit,
             follow,
-        } => remote::block_on(remote::events(&server.server, after, limit, follow)),
-        Command::Pools { server, action } => {
-            remote::block_on(remote::pools(&server.server, action))
-        }
-        Command::Jobs { server, action } => remote::block_on(remote::jobs(&server.server, action)),
+        } => remote::block_on(remote::events(&server, after, limit, follow)),
+        Command::Pools { server, action } => remote::block_on(remote::pools(&server, action)),
+        Command::Jobs { server, action } => remote::block_on(remote::jobs(&server, action)),
         Command::Bench(args) => bench::run(args),
-        Command::Reap { server, dry_run } => {
-            remote::block_on(remote::reap(&server.server, dry_run))
-        }
+        Command::Reap { server, dry_run } => remote::block_on(remote::reap(&server, dry_run)),
+        Command::Tokens { file, action } => tokens::run(&file, action),
     }
 }
 
