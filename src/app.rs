@@ -19,6 +19,7 @@ use crate::config::{BackendKind, Config};
 use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::server::{self, ServerLimits};
+use crate::tls::Tls;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -30,6 +31,8 @@ pub enum AppError {
     Postgres(#[from] postgres::StartError),
     #[error(transparent)]
     Tokens(#[from] crate::auth::TokensError),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -43,6 +46,8 @@ pub struct App {
     pub engine: Engine,
     /// The loaded API tokens, when a tokens file is configured.
     pub auth: Option<Arc<Auth>>,
+    /// The certificate in force, when TLS is configured.
+    pub tls: Option<Arc<Tls>>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
 }
@@ -88,6 +93,16 @@ impl App {
             },
             None => None,
         };
+        let tls = match (&config.tls_cert_file, &config.tls_key_file) {
+            (Some(cert), Some(key)) => match Tls::load(cert, key) {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    engine.shutdown();
+                    return Err(e.into());
+                }
+            },
+            _ => None,
+        };
         match &auth {
             Some(a) => tracing::info!(tokens = a.len(), "API tokens loaded"),
             None => tracing::warn!(
@@ -125,26 +140,35 @@ impl App {
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
         };
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::run(listener, router, gate, limits, async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(server::run(
+            listener,
+            router,
+            gate,
+            tls.clone(),
+            limits,
+            async {
+                let _ = stopped.await;
+            },
+        ));
         Ok(App {
             addr,
             engine,
             auth,
+            tls,
             stop: Some(stop),
             task: Some(task),
         })
     }
 
-    /// Reads the tokens file again (what SIGHUP does). A file that does not parse leaves
-    /// the tokens in force as they were.
+    /// Reads the tokens file and the TLS certificate and key again (what SIGHUP does).
+    /// What does not load leaves what is in force as it was.
     pub fn reload(&self) -> Result<(), AppError> {
-        if let Some(auth) = &self.auth {
-            let n = auth.reload()?;
-            tracing::info!(tokens = n, "API tokens reloaded");
-        }
-        Ok(())
+        reload(self.auth.as_deref(), self.tls.as_deref())
+    }
+
+    /// What SIGHUP reloads, for a task that outlives the borrow of the app.
+    pub fn reloadable(&self) -> (Option<Arc<Auth>>, Option<Arc<Tls>>) {
+        (self.auth.clone(), self.tls.clone())
     }
 
     pub fn url(&self) -> String {
@@ -176,4 +200,23 @@ impl App {
         }
         self.shutdown().await;
     }
+}
+
+/// Reloads the tokens file and the certificate; both are tried, the first error returned.
+pub fn reload(auth: Option<&Auth>, tls: Option<&Tls>) -> Result<(), AppError> {
+    let tokens = match auth {
+        Some(a) => a.reload().map(|n| {
+            tracing::info!(tokens = n, "API tokens reloaded");
+        }),
+        None => Ok(()),
+    };
+    let cert = match tls {
+        Some(t) => t
+            .reload()
+            .map(|()| tracing::info!("TLS certificate reloaded")),
+        None => Ok(()),
+    };
+    tokens?;
+    cert?;
+    Ok(())
 }

@@ -94,6 +94,11 @@ pub struct Config {
     pub rate_limit_burst: u32,
     /// Serve `/metrics` without a token (with tokens configured).
     pub metrics_open: bool,
+    /// PEM certificate chain: with `tls_key_file`, the port speaks HTTPS only. Both are
+    /// read again on SIGHUP.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the certificate.
+    pub tls_key_file: Option<PathBuf>,
     /// How long a shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
     /// redb's page cache.
@@ -141,6 +146,8 @@ impl Default for Config {
             rate_limit_per_s: 1_000.0,
             rate_limit_burst: 2_000,
             metrics_open: false,
+            tls_cert_file: None,
+            tls_key_file: None,
             shutdown_grace_ms: 10_000,
             cache_size_bytes: 64 * 1024 * 1024,
             log_format: LogFormat::Text,
@@ -395,6 +402,11 @@ impl Config {
             1_000_000_000,
             "requests",
         )?;
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(ConfigError::Invalid(
+                "tls_cert_file and tls_key_file go together: set both for HTTPS, or neither".into(),
+            ));
+        }
         if self.tokens_file.is_none() && !self.listen.ip().is_loopback() {
             return Err(ConfigError::Invalid(format!(
                 "listen = {} is not a loopback address and no tokens_file is set: without API tokens anyone who can reach the port could end any session; create a token (leasehold tokens create) and set tokens_file, or listen on 127.0.0.1",

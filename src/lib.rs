@@ -50,3 +50,4 @@ pub mod engine;
 pub mod loadgen;
 pub mod metrics;
 pub mod server;
+pub mod tls;

@@ -21,7 +21,7 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
 
@@ -97,6 +97,7 @@ pub async fn run(
     listener: TcpListener,
     app: Router,
     gate: Arc<Gate>,
+    tls: Option<Arc<crate::tls::Tls>>,
     limits: ServerLimits,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -142,67 +143,30 @@ pub async fn run(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let state = Arc::new(ConnState::default());
-        let io = TokioIo::new(Tracked {
-            inner: stream,
-            origin: Instant::now(),
-            state: state.clone(),
-            tail: 0,
-            pending: Vec::new(),
-        });
         let router = app.clone();
         let gate = gate.clone();
-        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
-            let router = router.clone();
-            let admitted = gate.admit(&mut req);
-            async move {
-                let response = match admitted {
-                    Ok(()) => match router.oneshot(req).await {
-                        Ok(r) => r,
-                        Err(never) => match never {},
-                    },
-                    Err(refusal) => refusal.into_response(),
-                };
-                Ok::<_, Infallible>(response)
-            }
-        });
-        let conn = http.serve_connection(io, service);
-        let conn = graceful.watch(conn);
-        let idle = limits.idle_timeout;
-        let header_timeout = limits.header_read_timeout;
+        let http = http.clone();
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let _client_slot = client_slot;
-            tokio::pin!(conn);
             let origin = Instant::now();
-            loop {
-                let now = origin.elapsed();
-                let last = Duration::from_millis(state.last.load(Ordering::Relaxed));
-                let idle_for = now.saturating_sub(last);
-                if idle_for >= idle {
-                    tracing::debug!(%peer, "closing idle connection");
-                    return;
+            let state = Arc::new(ConnState::default());
+            match tls {
+                None => {
+                    let io = Tracked::new(stream, origin, state.clone());
+                    serve(http, io, router, gate, watcher, state, origin, limits, peer).await
                 }
-                let mut wait = idle - idle_for;
-                if state.phase.load(Ordering::Relaxed) == HEADERS {
-                    let since = Duration::from_millis(state.headers_since.load(Ordering::Relaxed));
-                    let reading = now.saturating_sub(since);
-                    if reading >= header_timeout {
-                        tracing::debug!(%peer, "closing a connection slow to send its headers");
+                Some(tls) => {
+                    // The handshake counts against the header read timeout: a client that
+                    // opens a connection and says nothing is closed as before.
+                    let Some(stream) = tls.accept(stream, limits.header_read_timeout, peer).await
+                    else {
                         return;
-                    }
-                    wait = wait.min(header_timeout - reading);
-                }
-                tokio::select! {
-                    r = conn.as_mut() => {
-                        if let Err(e) = r {
-                            tracing::debug!(%peer, error = %e, "connection ended with an error");
-                        }
-                        return;
-                    }
-                    () = tokio::time::sleep(wait) => {}
-                    // A new request started: its header deadline is now the nearer one.
-                    () = state.started.notified() => {}
+                    };
+                    let io = Tracked::new(stream, origin, state.clone());
+                    serve(http, io, router, gate, watcher, state, origin, limits, peer).await
                 }
             }
         });
@@ -212,6 +176,70 @@ pub async fn run(
         () = graceful.shutdown() => {}
         () = tokio::time::sleep(limits.shutdown_grace) => {
             tracing::warn!("shutdown grace ran out with requests still in flight");
+        }
+    }
+}
+
+/// Serves one connection until it ends, is idle for `idle_timeout`, or stalls in a
+/// request's headers for `header_read_timeout`.
+#[allow(clippy::too_many_arguments)]
+async fn serve<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    http: http1::Builder,
+    io: Tracked<S>,
+    router: Router,
+    gate: Arc<Gate>,
+    watcher: hyper_util::server::graceful::Watcher,
+    state: Arc<ConnState>,
+    origin: Instant,
+    limits: ServerLimits,
+    peer: std::net::SocketAddr,
+) {
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        let router = router.clone();
+        let admitted = gate.admit(&mut req);
+        async move {
+            let response = match admitted {
+                Ok(()) => match router.oneshot(req).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                },
+                Err(refusal) => refusal.into_response(),
+            };
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let conn = http.serve_connection(TokioIo::new(io), service);
+    let conn = watcher.watch(conn);
+    let (idle, header_timeout) = (limits.idle_timeout, limits.header_read_timeout);
+    tokio::pin!(conn);
+    loop {
+        let now = origin.elapsed();
+        let last = Duration::from_millis(state.last.load(Ordering::Relaxed));
+        let idle_for = now.saturating_sub(last);
+        if idle_for >= idle {
+            tracing::debug!(%peer, "closing idle connection");
+            return;
+        }
+        let mut wait = idle - idle_for;
+        if state.phase.load(Ordering::Relaxed) == HEADERS {
+            let since = Duration::from_millis(state.headers_since.load(Ordering::Relaxed));
+            let reading = now.saturating_sub(since);
+            if reading >= header_timeout {
+                tracing::debug!(%peer, "closing a connection slow to send its headers");
+                return;
+            }
+            wait = wait.min(header_timeout - reading);
+        }
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            () = tokio::time::sleep(wait) => {}
+            // A new request started: its header deadline is now the nearer one.
+            () = state.started.notified() => {}
         }
     }
 }
@@ -232,8 +260,8 @@ struct ConnState {
 ///
 /// A request waiting for a lock moves no bytes, so `idle_timeout` must exceed `max_wait_ms`;
 /// config validation enforces that.
-struct Tracked {
-    inner: TcpStream,
+struct Tracked<S> {
+    inner: S,
     origin: Instant,
     state: Arc<ConnState>,
     /// The last bytes read, to find the blank line that ends the headers across reads.
@@ -242,7 +270,17 @@ struct Tracked {
     pending: Vec<u8>,
 }
 
-impl Tracked {
+impl<S: AsyncRead + AsyncWrite + Unpin> Tracked<S> {
+    fn new(inner: S, origin: Instant, state: Arc<ConnState>) -> Tracked<S> {
+        Tracked {
+            inner,
+            origin,
+            state,
+            tail: 0,
+            pending: Vec::new(),
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.origin.elapsed().as_millis() as u64
     }
@@ -336,7 +374,7 @@ fn replace_http_error(data: &[u8]) -> Option<Vec<u8>> {
     )
 }
 
-impl AsyncRead for Tracked {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Tracked<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -352,7 +390,7 @@ impl AsyncRead for Tracked {
     }
 }
 
-impl AsyncWrite for Tracked {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

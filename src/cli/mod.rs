@@ -367,6 +367,14 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_METRICS_OPEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     metrics_open: Option<bool>,
+    /// PEM certificate chain; with --tls-key-file the port speaks HTTPS [default: none]
+    #[arg(long, env = "LEASEHOLD_TLS_CERT_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the certificate [default: none]
+    #[arg(long, env = "LEASEHOLD_TLS_KEY_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_key_file: Option<PathBuf>,
     /// How long shutdown waits for in-flight requests, in ms [default: 10000]
     #[arg(long, env = "LEASEHOLD_SHUTDOWN_GRACE_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]

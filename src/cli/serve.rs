@@ -67,7 +67,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
                 "leasehold is serving"
             ),
         }
-        reload_on_hangup(app.auth.clone());
+        reload_on_hangup(app.reloadable());
         app.serve_until(shutdown_signal()).await;
         tracing::info!("stopped");
         ExitCode::SUCCESS
@@ -87,22 +87,19 @@ fn init_logging(config: &Config) {
     }
 }
 
-/// SIGHUP reloads the tokens file; connections and requests in flight carry on. Without a
-/// tokens file it is logged and ignored, rather than ending the process.
-fn reload_on_hangup(auth: Option<Arc<crate::auth::Auth>>) {
+/// SIGHUP reloads the tokens file and the TLS certificate; connections and requests in
+/// flight carry on. Without either it is logged and ignored, rather than ending the process.
+fn reload_on_hangup((auth, tls): (Option<Arc<crate::auth::Auth>>, Option<Arc<crate::tls::Tls>>)) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
-            match &auth {
-                Some(a) => match a.reload() {
-                    Ok(n) => tracing::info!(tokens = n, "SIGHUP: API tokens reloaded"),
-                    Err(e) => tracing::error!(
-                        error = %e,
-                        "SIGHUP: the tokens file was not reloaded; the tokens in force stay"
-                    ),
-                },
-                None => tracing::info!("SIGHUP: no tokens_file to reload"),
+            if auth.is_none() && tls.is_none() {
+                tracing::info!("SIGHUP: no tokens_file or TLS certificate to reload");
+                continue;
+            }
+            if let Err(e) = crate::app::reload(auth.as_deref(), tls.as_deref()) {
+                tracing::error!(error = %e, "SIGHUP: not reloaded; what is in force stays");
             }
         }
     });
