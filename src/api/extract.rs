@@ -59,7 +59,13 @@ fn body_error(message: impl Into<String>) -> ApiError {
 
 pub fn json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let bytes: &[u8] = match bytes.iter().position(|b| !b.is_ascii_whitespace()) {
-        None => b"{}",
+        // No body at all is `{}`; whitespace alone is no JSON value, and is refused below.
+        None if bytes.is_empty() => b"{}",
+        None => {
+            return Err(body_error(
+                "the request body is whitespace, not a JSON object",
+            ));
+        }
         // Only an object has named fields: an array would be read positionally by serde,
         // past every field check.
         Some(i) if bytes[i] == b'{' => bytes,
