@@ -10,6 +10,7 @@
 //!   and range reads; `check`: the integrity check;
 //! - [`codec`]: the file format of records; [`fault`]: fault injection for tests.
 
+mod chain;
 mod check;
 pub mod codec;
 mod db;

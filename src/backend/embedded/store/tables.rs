@@ -51,6 +51,8 @@ pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
     txn.open_table(LOCKS).map_err(StoreError::redb)?;
     txn.open_table(SESSION_LOCKS).map_err(StoreError::redb)?;
     txn.open_table(EVENTS).map_err(StoreError::redb)?;
+    txn.open_table(super::chain::EVENT_HASHES)
+        .map_err(StoreError::redb)?;
     txn.open_table(POOLS).map_err(StoreError::redb)?;
     txn.open_table(SEATS).map_err(StoreError::redb)?;
     txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
