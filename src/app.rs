@@ -9,6 +9,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::api::gate::Gate;
+use crate::auth::Auth;
 use crate::backend::embedded::store::{Store, StoreError};
 use crate::backend::embedded::{Embedded, StartError};
 use crate::backend::postgres::{self, Postgres};
@@ -17,6 +19,7 @@ use crate::config::{BackendKind, Config};
 use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::server::{self, ServerLimits};
+use crate::tls::Tls;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -26,6 +29,10 @@ pub enum AppError {
     Start(#[from] StartError),
     #[error(transparent)]
     Postgres(#[from] postgres::StartError),
+    #[error(transparent)]
+    Tokens(#[from] crate::auth::TokensError),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -37,6 +44,10 @@ pub enum AppError {
 pub struct App {
     pub addr: SocketAddr,
     pub engine: Engine,
+    /// The loaded API tokens, when a tokens file is configured.
+    pub auth: Option<Arc<Auth>>,
+    /// The certificate in force, when TLS is configured.
+    pub tls: Option<Arc<Tls>>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
 }
@@ -72,6 +83,33 @@ impl App {
     }
 
     async fn serve(config: &Config, engine: Engine) -> Result<App, AppError> {
+        let auth = match &config.tokens_file {
+            Some(path) => match Auth::load(path, config.rate_limit()) {
+                Ok(a) => Some(Arc::new(a)),
+                Err(e) => {
+                    engine.shutdown();
+                    return Err(e.into());
+                }
+            },
+            None => None,
+        };
+        let tls = match (&config.tls_cert_file, &config.tls_key_file) {
+            (Some(cert), Some(key)) => match Tls::load(cert, key) {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    engine.shutdown();
+                    return Err(e.into());
+                }
+            },
+            _ => None,
+        };
+        match &auth {
+            Some(a) => tracing::info!(tokens = a.len(), "API tokens loaded"),
+            None => tracing::warn!(
+                listen = %config.listen,
+                "no tokens_file: serving a loopback address only, and every caller may do everything"
+            ),
+        }
         let listener = match TcpListener::bind(config.listen).await {
             Ok(l) => l,
             Err(source) => {
@@ -86,23 +124,51 @@ impl App {
             addr: config.listen,
             source,
         })?;
-        let router = crate::api::router(engine.clone(), config.max_body_bytes);
+        let api = config.api();
+        let router = crate::api::router(engine.clone(), api);
+        let gate = Arc::new(Gate {
+            auth: auth.clone(),
+            metrics_open: config.metrics_open,
+            max_body_bytes: api.max_body_bytes,
+            job_body_bytes: api.job_body_bytes(),
+        });
         let limits = ServerLimits {
             header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
             idle_timeout: Duration::from_millis(config.idle_timeout_ms),
             max_connections: config.max_connections,
+            max_connections_per_client: config.max_connections_per_client,
             shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
         };
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::run(listener, router, limits, async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(server::run(
+            listener,
+            router,
+            gate,
+            tls.clone(),
+            limits,
+            async {
+                let _ = stopped.await;
+            },
+        ));
         Ok(App {
             addr,
             engine,
+            auth,
+            tls,
             stop: Some(stop),
             task: Some(task),
         })
+    }
+
+    /// Reads the tokens file and the TLS certificate and key again (what SIGHUP does).
+    /// What does not load leaves what is in force as it was.
+    pub fn reload(&self) -> Result<(), AppError> {
+        reload(self.auth.as_deref(), self.tls.as_deref())
+    }
+
+    /// What SIGHUP reloads, for a task that outlives the borrow of the app.
+    pub fn reloadable(&self) -> (Option<Arc<Auth>>, Option<Arc<Tls>>) {
+        (self.auth.clone(), self.tls.clone())
     }
 
     pub fn url(&self) -> String {
@@ -134,4 +200,23 @@ impl App {
         }
         self.shutdown().await;
     }
+}
+
+/// Reloads the tokens file and the certificate; both are tried, the first error returned.
+pub fn reload(auth: Option<&Auth>, tls: Option<&Tls>) -> Result<(), AppError> {
+    let tokens = match auth {
+        Some(a) => a.reload().map(|n| {
+            tracing::info!(tokens = n, "API tokens reloaded");
+        }),
+        None => Ok(()),
+    };
+    let cert = match tls {
+        Some(t) => t
+            .reload()
+            .map(|()| tracing::info!("TLS certificate reloaded")),
+        None => Ok(()),
+    };
+    tokens?;
+    cert?;
+    Ok(())
 }

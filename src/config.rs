@@ -77,6 +77,28 @@ pub struct Config {
     /// A connection with no traffic for this long is closed.
     pub idle_timeout_ms: u64,
     pub max_connections: usize,
+    /// Most open connections from one client address.
+    pub max_connections_per_client: usize,
+    /// Longest the body of one request may take to arrive; slower is 408.
+    pub body_read_timeout_ms: u64,
+    /// Most requests waiting at once on one lock key, pool or queue; more get 429.
+    pub max_waiters_per_key: u32,
+    /// Most requests of one token waiting at once; more get 429.
+    pub max_waiters_per_token: u32,
+    /// The API tokens file (see docs/security.md). Without one the server serves loopback
+    /// addresses only, and every caller may do everything.
+    pub tokens_file: Option<PathBuf>,
+    /// Requests a second one token may make, sustained; more get 429 with Retry-After.
+    pub rate_limit_per_s: f64,
+    /// Requests one token may make at once above the sustained rate.
+    pub rate_limit_burst: u32,
+    /// Serve `/metrics` without a token (with tokens configured).
+    pub metrics_open: bool,
+    /// PEM certificate chain: with `tls_key_file`, the port speaks HTTPS only. Both are
+    /// read again on SIGHUP.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the certificate.
+    pub tls_key_file: Option<PathBuf>,
     /// How long a shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
     /// redb's page cache.
@@ -116,6 +138,16 @@ impl Default for Config {
             header_read_timeout_ms: 5_000,
             idle_timeout_ms: 120_000,
             max_connections: 4_096,
+            max_connections_per_client: 1_024,
+            body_read_timeout_ms: 10_000,
+            max_waiters_per_key: 1_000,
+            max_waiters_per_token: 1_000,
+            tokens_file: None,
+            rate_limit_per_s: 1_000.0,
+            rate_limit_burst: 2_000,
+            metrics_open: false,
+            tls_cert_file: None,
+            tls_key_file: None,
             shutdown_grace_ms: 10_000,
             cache_size_bytes: 64 * 1024 * 1024,
             log_format: LogFormat::Text,
@@ -327,6 +359,61 @@ impl Config {
             "connections",
         )?;
         range(
+            "max_connections_per_client",
+            self.max_connections_per_client,
+            1,
+            self.max_connections,
+            "connections (and at most max_connections)",
+        )?;
+        range(
+            "body_read_timeout_ms",
+            self.body_read_timeout_ms,
+            10,
+            600_000,
+            "milliseconds",
+        )?;
+        range(
+            "max_waiters_per_key",
+            self.max_waiters_per_key,
+            1,
+            1_000_000,
+            "requests",
+        )?;
+        range(
+            "max_waiters_per_token",
+            self.max_waiters_per_token,
+            1,
+            1_000_000,
+            "requests",
+        )?;
+        if !(self.rate_limit_per_s.is_finite()
+            && self.rate_limit_per_s >= 0.001
+            && self.rate_limit_per_s <= 1e9)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "rate_limit_per_s = {} is out of range: it must be between 0.001 and 1000000000 requests a second",
+                self.rate_limit_per_s
+            )));
+        }
+        range(
+            "rate_limit_burst",
+            self.rate_limit_burst,
+            1,
+            1_000_000_000,
+            "requests",
+        )?;
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(ConfigError::Invalid(
+                "tls_cert_file and tls_key_file go together: set both for HTTPS, or neither".into(),
+            ));
+        }
+        if self.tokens_file.is_none() && !self.listen.ip().is_loopback() {
+            return Err(ConfigError::Invalid(format!(
+                "listen = {} is not a loopback address and no tokens_file is set: without API tokens anyone who can reach the port could end any session; create a token (leasehold tokens create) and set tokens_file, or listen on 127.0.0.1",
+                self.listen
+            )));
+        }
+        range(
             "shutdown_grace_ms",
             self.shutdown_grace_ms,
             0,
@@ -357,6 +444,22 @@ impl Config {
             namespace: self.namespace.clone(),
             pool_size: self.postgres_pool_size,
             statement_timeout_ms: self.postgres_statement_timeout_ms,
+        }
+    }
+
+    pub fn api(&self) -> crate::api::ApiLimits {
+        crate::api::ApiLimits {
+            max_body_bytes: self.max_body_bytes,
+            body_read_timeout: std::time::Duration::from_millis(self.body_read_timeout_ms),
+            max_waiters_per_key: self.max_waiters_per_key,
+            max_waiters_per_token: self.max_waiters_per_token,
+        }
+    }
+
+    pub fn rate_limit(&self) -> crate::auth::RateLimit {
+        crate::auth::RateLimit {
+            per_s: self.rate_limit_per_s,
+            burst: f64::from(self.rate_limit_burst),
         }
     }
 

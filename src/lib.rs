@@ -40,6 +40,7 @@
 
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod backend;
 pub mod cli;
 pub mod client;
@@ -50,3 +51,4 @@ pub mod engine;
 pub mod loadgen;
 pub mod metrics;
 pub mod server;
+pub mod tls;

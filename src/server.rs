@@ -1,47 +1,112 @@
 //! The HTTP server: our own hyper accept loop around the axum router, so that the header
-//! read timeout works, idle connections are closed, connections are capped, and a shutdown
-//! drains in-flight requests.
+//! read timeout works (and does not cut kept-alive connections short), idle connections
+//! are closed, connections are capped in all and per client address, every request passes
+//! the gate, and a shutdown drains in-flight requests.
 
+use std::collections::HashMap;
+use std::convert::Infallible;
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::response::IntoResponse;
+use hyper::Request;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, Semaphore};
+use tower::ServiceExt;
+
+use crate::api::gate::Gate;
 
 /// Connection limits and timeouts.
 #[derive(Debug, Clone, Copy)]
 pub struct ServerLimits {
+    /// From the first byte of a request (or from accepting the connection) to the end of
+    /// its headers.
     pub header_read_timeout: Duration,
+    /// A kept-alive connection between requests, or one moving no bytes, is closed after
+    /// this long.
     pub idle_timeout: Duration,
     pub max_connections: usize,
+    /// Most open connections from one client address.
+    pub max_connections_per_client: usize,
     pub shutdown_grace: Duration,
 }
 
+/// Where a connection is in its current request, for the header read timeout: hyper's own
+/// timer would also run between kept-alive requests and cut the idle connection short.
+const HEADERS: u8 = 0;
+const BODY: u8 = 1;
+const IDLE: u8 = 2;
+
+/// Open connections by client address, for the per-client cap.
+#[derive(Default)]
+struct PerClient(parking_lot::Mutex<HashMap<IpAddr, usize>>);
+
+/// A connection's place in [`PerClient`], given back when it closes.
+struct ClientSlot {
+    map: Arc<PerClient>,
+    ip: IpAddr,
+}
+
+impl PerClient {
+    fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<ClientSlot> {
+        let mut m = self.0.lock();
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(ClientSlot {
+            map: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut m = self.map.0.lock();
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// The answer to a connection over its client's cap, written before closing it.
+const TOO_MANY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: 94\r\n\r\n{\"error\":\"too_many_connections\",\"message\":\"this client address has too many open connections\"}";
+
 /// Serves `app` on `listener` until `shutdown` completes, then stops accepting, lets
-/// in-flight requests finish (up to `shutdown_grace`) and returns.
+/// in-flight requests finish (up to `shutdown_grace`) and returns. Each request passes
+/// `gate` (token, role, rate, declared body size) before it is routed.
 ///
 /// Taking a bound listener lets tests bind port 0.
 pub async fn run(
     listener: TcpListener,
     app: Router,
+    gate: Arc<Gate>,
+    tls: Option<Arc<crate::tls::Tls>>,
     limits: ServerLimits,
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let per_client = Arc::new(PerClient::default());
     let graceful = GracefulShutdown::new();
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
+        .header_read_timeout(None)
         .keep_alive(true);
     tokio::pin!(shutdown);
     loop {
@@ -62,38 +127,46 @@ pub async fn run(
             },
             () = &mut shutdown => break,
         };
+        let Some(client_slot) = per_client.take(peer.ip(), limits.max_connections_per_client)
+        else {
+            drop(permit);
+            tracing::debug!(%peer, "refusing a connection over the per-client cap");
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                let mut stream = stream;
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    let _ = stream.write_all(TOO_MANY).await;
+                    let _ = stream.shutdown().await;
+                })
+                .await;
+            });
+            continue;
+        };
         let _ = stream.set_nodelay(true);
-        let activity = Arc::new(AtomicU64::new(0));
-        let io = TokioIo::new(Tracked {
-            inner: stream,
-            origin: Instant::now(),
-            last: activity.clone(),
-        });
-        let conn = http.serve_connection(io, TowerToHyperService::new(app.clone()));
-        let conn = graceful.watch(conn);
-        let idle = limits.idle_timeout;
+        let router = app.clone();
+        let gate = gate.clone();
+        let http = http.clone();
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            tokio::pin!(conn);
+            let _client_slot = client_slot;
             let origin = Instant::now();
-            loop {
-                let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-                let idle_for = origin.elapsed().saturating_sub(last);
-                let wait = idle.saturating_sub(idle_for);
-                tokio::select! {
-                    r = conn.as_mut() => {
-                        if let Err(e) = r {
-                            tracing::debug!(%peer, error = %e, "connection ended with an error");
-                        }
+            let state = Arc::new(ConnState::default());
+            match tls {
+                None => {
+                    let io = Tracked::new(stream, origin, state.clone());
+                    serve(http, io, router, gate, watcher, state, origin, limits, peer).await
+                }
+                Some(tls) => {
+                    // The handshake counts against the header read timeout: a client that
+                    // opens a connection and says nothing is closed as before.
+                    let Some(stream) = tls.accept(stream, limits.header_read_timeout, peer).await
+                    else {
                         return;
-                    }
-                    () = tokio::time::sleep(wait) => {
-                        let last = Duration::from_millis(activity.load(Ordering::Relaxed));
-                        if origin.elapsed().saturating_sub(last) >= idle {
-                            tracing::debug!(%peer, "closing idle connection");
-                            return;
-                        }
-                    }
+                    };
+                    let io = Tracked::new(stream, origin, state.clone());
+                    serve(http, io, router, gate, watcher, state, origin, limits, peer).await
                 }
             }
         });
@@ -107,24 +180,201 @@ pub async fn run(
     }
 }
 
-/// A stream that records when it last moved bytes, for the idle timeout.
-///
-/// A request waiting for a lock moves no bytes, so `idle_timeout` must exceed `max_wait_ms`;
-/// config validation enforces that.
-struct Tracked {
-    inner: TcpStream,
+/// Serves one connection until it ends, is idle for `idle_timeout`, or stalls in a
+/// request's headers for `header_read_timeout`.
+#[allow(clippy::too_many_arguments)]
+async fn serve<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    http: http1::Builder,
+    io: Tracked<S>,
+    router: Router,
+    gate: Arc<Gate>,
+    watcher: hyper_util::server::graceful::Watcher,
+    state: Arc<ConnState>,
     origin: Instant,
-    last: Arc<AtomicU64>,
-}
-
-impl Tracked {
-    fn touch(&self) {
-        self.last
-            .store(self.origin.elapsed().as_millis() as u64, Ordering::Relaxed);
+    limits: ServerLimits,
+    peer: std::net::SocketAddr,
+) {
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        let router = router.clone();
+        let admitted = gate.admit(&mut req);
+        async move {
+            let response = match admitted {
+                Ok(()) => match router.oneshot(req).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                },
+                Err(refusal) => refusal.into_response(),
+            };
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let conn = http.serve_connection(TokioIo::new(io), service);
+    let conn = watcher.watch(conn);
+    let (idle, header_timeout) = (limits.idle_timeout, limits.header_read_timeout);
+    tokio::pin!(conn);
+    loop {
+        let now = origin.elapsed();
+        let last = Duration::from_millis(state.last.load(Ordering::Relaxed));
+        let idle_for = now.saturating_sub(last);
+        if idle_for >= idle {
+            tracing::debug!(%peer, "closing idle connection");
+            return;
+        }
+        let mut wait = idle - idle_for;
+        if state.phase.load(Ordering::Relaxed) == HEADERS {
+            let since = Duration::from_millis(state.headers_since.load(Ordering::Relaxed));
+            let reading = now.saturating_sub(since);
+            if reading >= header_timeout {
+                tracing::debug!(%peer, "closing a connection slow to send its headers");
+                return;
+            }
+            wait = wait.min(header_timeout - reading);
+        }
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            () = tokio::time::sleep(wait) => {}
+            // A new request started: its header deadline is now the nearer one.
+            () = state.started.notified() => {}
+        }
     }
 }
 
-impl AsyncRead for Tracked {
+/// What the connection's watcher reads: last activity, the request phase, and when the
+/// current request's headers began. Milliseconds since the connection was accepted.
+#[derive(Default)]
+struct ConnState {
+    last: AtomicU64,
+    phase: AtomicU8,
+    headers_since: AtomicU64,
+    started: Notify,
+}
+
+/// A stream that records when it last moved bytes and where it is in a request, for the
+/// idle and header timeouts, and that gives hyper's own error answers (431, 414, a bad
+/// `Content-Length`), which have no body, the API's JSON error body.
+///
+/// A request waiting for a lock moves no bytes, so `idle_timeout` must exceed `max_wait_ms`;
+/// config validation enforces that.
+struct Tracked<S> {
+    inner: S,
+    origin: Instant,
+    state: Arc<ConnState>,
+    /// The last bytes read, to find the blank line that ends the headers across reads.
+    tail: u32,
+    /// A replacement answer not yet written out.
+    pending: Vec<u8>,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Tracked<S> {
+    fn new(inner: S, origin: Instant, state: Arc<ConnState>) -> Tracked<S> {
+        Tracked {
+            inner,
+            origin,
+            state,
+            tail: 0,
+            pending: Vec::new(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    fn touch(&self) {
+        self.state.last.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    fn on_read(&mut self, data: &[u8]) {
+        let phase = self.state.phase.load(Ordering::Relaxed);
+        if phase == IDLE {
+            // The first byte of the next request: its headers are now on the clock.
+            self.state
+                .headers_since
+                .store(self.now_ms(), Ordering::Relaxed);
+            self.state.phase.store(HEADERS, Ordering::Relaxed);
+            self.state.started.notify_one();
+            self.tail = 0;
+        }
+        if self.state.phase.load(Ordering::Relaxed) == HEADERS {
+            for &b in data {
+                self.tail = (self.tail << 8) | u32::from(b);
+                if self.tail == u32::from_be_bytes(*b"\r\n\r\n") {
+                    self.state.phase.store(BODY, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Writes out a replacement answer; ready once all of it is gone.
+    fn poll_pending(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        while !self.pending.is_empty() {
+            let n = std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &self.pending))?;
+            if n == 0 {
+                return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+            }
+            self.pending.drain(..n);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// hyper's own refusal of a request it could not parse: an error status and no
+/// `content-type` (every answer of the API has one). Returns the API's answer instead.
+fn replace_http_error(data: &[u8]) -> Option<Vec<u8>> {
+    let rest = data.strip_prefix(b"HTTP/1.1 ")?;
+    let status: u16 = std::str::from_utf8(rest.get(..3)?).ok()?.parse().ok()?;
+    if status < 400 {
+        return None;
+    }
+    let head_end = data.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = data[..head_end].to_ascii_lowercase();
+    if head.windows(13).any(|w| w == b"content-type:") {
+        return None;
+    }
+    let (reason, error, message) = match status {
+        431 => (
+            "Request Header Fields Too Large",
+            "headers_too_large",
+            "the request headers are over the server's limit",
+        ),
+        414 => (
+            "URI Too Long",
+            "uri_too_long",
+            "the request target is over the server's limit",
+        ),
+        505 => (
+            "HTTP Version Not Supported",
+            "http_version_not_supported",
+            "the server speaks HTTP/1.1 (and 1.0)",
+        ),
+        _ => (
+            "Bad Request",
+            "invalid_request",
+            "the request is not well-formed HTTP/1.1 (for example a bad Content-Length or Transfer-Encoding)",
+        ),
+    };
+    let status = if matches!(status, 431 | 414 | 505) {
+        status
+    } else {
+        400
+    };
+    let body = format!("{{\"error\":\"{error}\",\"message\":\"{message}\"}}");
+    Some(
+        format!(
+            "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes(),
+    )
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Tracked<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -134,17 +384,34 @@ impl AsyncRead for Tracked {
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() != before {
             self.touch();
+            self.on_read(&buf.filled()[before..]);
         }
         r
     }
 }
 
-impl AsyncWrite for Tracked {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        std::task::ready!(self.poll_pending(cx))?;
+        // Bytes of an answer: the request is done (a `100 Continue` is not an answer).
+        if !data.starts_with(b"HTTP/1.1 100 ") {
+            if self.state.phase.load(Ordering::Relaxed) != IDLE
+                && let Some(replacement) = replace_http_error(data)
+            {
+                self.pending = replacement;
+                self.state.phase.store(IDLE, Ordering::Relaxed);
+                self.touch();
+                std::task::ready!(self.poll_pending(cx))?;
+                return Poll::Ready(Ok(data.len()));
+            }
+            if data.starts_with(b"HTTP/1.") {
+                self.state.phase.store(IDLE, Ordering::Relaxed);
+            }
+        }
         let r = Pin::new(&mut self.inner).poll_write(cx, data);
         if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
             self.touch();
@@ -153,10 +420,12 @@ impl AsyncWrite for Tracked {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::task::ready!(self.poll_pending(cx))?;
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::task::ready!(self.poll_pending(cx))?;
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

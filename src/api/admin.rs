@@ -7,12 +7,14 @@ use axum::response::Response;
 use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
 
-use super::AppState;
 use super::error::ApiError;
 use super::extract::{Body, SessionPath};
+use super::gate::Caller;
 use super::jobs::JobPath;
 use super::sessions::{CloseResponse, end};
 use super::wire::HeldLock;
+use super::{AppState, audit};
+use crate::auth::Scope;
 use crate::backend::BackendError;
 use crate::domain::{EndReason, JobOutcome};
 
@@ -35,8 +37,19 @@ struct RequeueResponse {
 /// Sends a failed job back to its queue (recovery count reset), audited as `job_requeued`.
 async fn requeue(
     State(app): State<AppState>,
+    caller: Caller,
     JobPath(job): JobPath,
 ) -> Result<Json<RequeueResponse>, ApiError> {
+    if let Caller::Token(t) = &caller
+        && !t.unscoped()
+    {
+        // A scoped operator requeues in its own queues only; another's job reads as absent.
+        match app.engine.job(job).await? {
+            Some((r, _)) if caller.sees(Scope::Queue, &r.queue) => {}
+            _ => return Err(ApiError::JobNotFound),
+        }
+    }
+    audit(&caller, "job_requeue", &job);
     let revision = app.engine.requeue(job).await?;
     Ok(Json(RequeueResponse {
         job_id: job.to_string(),
@@ -47,16 +60,19 @@ async fn requeue(
 
 async fn end_session(
     State(app): State<AppState>,
+    caller: Caller,
     SessionPath(id): SessionPath,
 ) -> Result<Json<CloseResponse>, ApiError> {
+    caller.unscoped("force-ending a session")?;
+    audit(&caller, "session_end", &id);
     end(&app, id, EndReason::Admin).await
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ReapRequest {
-    #[serde(default)]
-    dry_run: bool,
+    /// Absent and `null` both mean false, as for every optional field.
+    dry_run: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -103,9 +119,12 @@ const DRY_RUN_LIMIT: usize = 10_000;
 
 async fn reap(
     State(app): State<AppState>,
+    caller: Caller,
     Body(req): Body<ReapRequest>,
 ) -> Result<Json<ReapResponse>, ApiError> {
-    if req.dry_run {
+    caller.unscoped("a reap")?;
+    audit(&caller, "reap", &req.dry_run.unwrap_or(false));
+    if req.dry_run.unwrap_or(false) {
         let sessions = app
             .engine
             .reap_dry_run(DRY_RUN_LIMIT)
@@ -177,8 +196,10 @@ struct FloorResponse {
 /// `token_floor_raised`.
 async fn raise_token_floor(
     State(app): State<AppState>,
+    caller: Caller,
     Body(req): Body<FloorRequest>,
 ) -> Result<Json<FloorResponse>, ApiError> {
+    audit(&caller, "token_floor_raise", &req.floor);
     let r = app.engine.raise_token_floor(req.floor).await?;
     Ok(Json(FloorResponse {
         floor: r.floor,
@@ -194,7 +215,8 @@ const BACKUP_CHUNK_BYTES: usize = 256 * 1024;
 /// A consistent snapshot of the embedded store as a redb file, streamed. The headers carry
 /// what it holds: `leasehold-backup-revision` (every token in it is at most this) and
 /// `leasehold-backup-taken-at` (Unix ms).
-async fn backup(State(app): State<AppState>) -> Result<Response, ApiError> {
+async fn backup(State(app): State<AppState>, caller: Caller) -> Result<Response, ApiError> {
+    audit(&caller, "backup", &"data file");
     let made = app.engine.backup().await?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut file = made.file;

@@ -1,7 +1,9 @@
-//! The one place that maps errors to HTTP statuses and `{"error", "message"}` bodies.
+//! The one place that maps errors to HTTP statuses and `{"error", "message"}` bodies. The
+//! server's own refusals before routing (401, 413 from `Content-Length`, 429) are built here
+//! too, so every 4xx and 5xx has the same shape.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
@@ -22,6 +24,22 @@ pub enum ApiError {
     NotFound,
     MethodNotAllowed,
     PayloadTooLarge(usize),
+    /// The body did not arrive within `body_read_timeout_ms`.
+    BodyTimeout(std::time::Duration),
+    /// No valid `Authorization: Bearer` token.
+    Unauthorized,
+    /// The token's role or scopes do not allow the call; `field` names the parameter whose
+    /// value is outside the scopes.
+    Forbidden {
+        field: Option<&'static str>,
+        message: String,
+    },
+    /// The token's request rate is over its limit; retry after this many seconds.
+    RateLimited {
+        retry_after_s: u64,
+    },
+    /// Too many requests already wait on this key, or for this token.
+    TooManyWaiters(&'static str),
     Engine(BackendError),
 }
 
@@ -94,6 +112,39 @@ impl ApiError {
                 format!("the request body is over the limit of {max} bytes"),
                 None,
             ),
+            ApiError::BodyTimeout(t) => (
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                format!(
+                    "the request body did not arrive within {} ms",
+                    t.as_millis()
+                ),
+                Some("body".into()),
+            ),
+            ApiError::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "this call needs a valid API token: Authorization: Bearer <token>".into(),
+                None,
+            ),
+            ApiError::Forbidden { field, message } => (
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                message,
+                field.map(str::to_string),
+            ),
+            ApiError::RateLimited { retry_after_s } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                format!("this token is over its request rate; retry in {retry_after_s} s"),
+                None,
+            ),
+            ApiError::TooManyWaiters(what) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_waiters",
+                format!("too many requests already wait {what}; retry later or wait less"),
+                Some("wait_ms".into()),
+            ),
             ApiError::Engine(e) => {
                 let (status, code) = match &e {
                     E::SessionGone => (StatusCode::NOT_FOUND, "session_gone"),
@@ -147,11 +198,16 @@ impl IntoResponse for ApiError {
             }
             _ => (None, None),
         };
+        let retry_after = match &self {
+            ApiError::RateLimited { retry_after_s } => Some(*retry_after_s),
+            ApiError::TooManyWaiters(_) => Some(1),
+            _ => None,
+        };
         let (status, error, message, field) = self.parts();
         if status.is_server_error() {
             tracing::warn!(%status, error, %message, "request refused");
         }
-        (
+        let mut response = (
             status,
             Json(Body {
                 error,
@@ -161,6 +217,21 @@ impl IntoResponse for ApiError {
                 in_use,
             }),
         )
-            .into_response()
+            .into_response();
+        let headers = response.headers_mut();
+        if let Some(s) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        match status {
+            StatusCode::UNAUTHORIZED => {
+                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            // The rest of the body is not read: the connection cannot carry another request.
+            StatusCode::PAYLOAD_TOO_LARGE | StatusCode::REQUEST_TIMEOUT => {
+                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            _ => {}
+        }
+        response
     }
 }

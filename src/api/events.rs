@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::AppState;
 use super::error::ApiError;
 use super::extract::{Query, page_limit};
+use super::gate::Caller;
 use super::wire::AuditEvent;
 
 pub fn routes() -> Router<AppState> {
@@ -30,8 +31,11 @@ struct EventsResponse {
 
 async fn list(
     State(app): State<AppState>,
+    caller: Caller,
     Query(q): Query<EventsQuery>,
 ) -> Result<Json<EventsResponse>, ApiError> {
+    // The log names keys, pools and queues of every scope.
+    caller.unscoped("reading the audit log")?;
     let limit = page_limit(q.limit, 100, 10_000)?;
     let after = q.after.unwrap_or(0);
     let (events, next) = app.engine.events(after, limit).await?;

@@ -1,13 +1,22 @@
-//! Request decoding with errors that name the field: JSON bodies (unknown fields refused,
-//! an empty body read as `{}`), query strings, and path parameters.
+//! Request decoding with errors that name the field: JSON bodies (objects only, unknown
+//! fields refused, an empty body read as `{}`), query strings (strict UTF-8, each parameter
+//! once), and path parameters (named as the API reference names them).
+//!
+//! One rule for `null`: on an optional field it means the same as leaving the field out; on
+//! a required field it is refused like any other wrong type. Integer fields take any JSON
+//! number with a whole value (`14454` and `14454.0`), as JSON Schema's `integer` does.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use std::time::Duration;
+
+use axum::extract::{FromRequest, FromRequestParts, MatchedPath, Path, Request};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use super::error::ApiError;
+use super::gate::Caller;
+use crate::auth::Scope;
 use crate::domain::{LockKey, SessionId};
 
 /// A JSON body of type `T`.
@@ -17,7 +26,8 @@ pub struct Body<T>(pub T);
 fn named_field(message: &str) -> Option<String> {
     let rest = message
         .strip_prefix("missing field `")
-        .or_else(|| message.strip_prefix("unknown field `"))?;
+        .or_else(|| message.strip_prefix("unknown field `"))
+        .or_else(|| message.strip_prefix("duplicate field `"))?;
     rest.split('`').next().map(str::to_string)
 }
 
@@ -27,30 +37,45 @@ fn decode_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     // A missing or unknown field is reported at its parent; name the field itself.
     let named = named_field(&inner.to_string());
     let field = match (path.as_str(), named) {
+        // Not a field of the object: the body as a whole is at fault.
+        (".", None) => Some("body".to_string()),
         (".", named) => named,
         (_, Some(named)) if !path.ends_with(&named) => Some(format!("{path}.{named}")),
         _ => Some(path),
     };
-    let message = match &field {
+    let message = match field.as_deref() {
+        Some("body") | None => format!("invalid JSON body: {inner}"),
         Some(f) => format!("{f}: {inner}"),
-        None => format!("invalid JSON body: {inner}"),
     };
     ApiError::Invalid { field, message }
 }
 
+fn body_error(message: impl Into<String>) -> ApiError {
+    ApiError::Invalid {
+        field: Some("body".into()),
+        message: message.into(),
+    }
+}
+
 pub fn json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
-        b"{}"
-    } else {
-        bytes
+    let bytes: &[u8] = match bytes.iter().position(|b| !b.is_ascii_whitespace()) {
+        // No body at all is `{}`; whitespace alone is no JSON value, and is refused below.
+        None if bytes.is_empty() => b"{}",
+        None => {
+            return Err(body_error(
+                "the request body is whitespace, not a JSON object",
+            ));
+        }
+        // Only an object has named fields: an array would be read positionally by serde,
+        // past every field check.
+        Some(i) if bytes[i] == b'{' => bytes,
+        Some(_) => return Err(body_error("the request body must be a JSON object")),
     };
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(&mut de).map_err(decode_error)?;
     // One JSON value and nothing after it: `{...} trailing` is malformed, not a prefix.
-    de.end().map_err(|e| ApiError::Invalid {
-        field: None,
-        message: format!("invalid JSON body: {e}"),
-    })?;
+    de.end()
+        .map_err(|e| body_error(format!("invalid JSON body: {e}")))?;
     Ok(value)
 }
 
@@ -61,34 +86,113 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
         let limit = req
             .extensions()
             .get::<BodyLimit>()
-            .map(|l| l.0)
-            .unwrap_or(usize::MAX);
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
-            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::PayloadTooLarge(limit)
-            } else {
-                ApiError::Invalid {
-                    field: None,
-                    message: e.body_text(),
+            .copied()
+            .unwrap_or(BodyLimit {
+                bytes: usize::MAX,
+                read_timeout: Duration::MAX,
+            });
+        // The whole body within the deadline: a client dripping bytes holds a connection
+        // and a task, so it gets 408 rather than as long as it likes.
+        let read = tokio::time::timeout(limit.read_timeout, Bytes::from_request(req, state));
+        let bytes = match read.await {
+            Err(_) => return Err(ApiError::BodyTimeout(limit.read_timeout)),
+            Ok(r) => r.map_err(|e| {
+                if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    ApiError::PayloadTooLarge(limit.bytes)
+                } else {
+                    body_error(e.body_text())
                 }
-            }
-        })?;
+            })?,
+        };
         json(&bytes).map(Body)
     }
 }
 
-/// The configured body limit, put into each request so the 413 message can say it.
+/// An unsigned 64-bit integer from a JSON body: any number with a whole value in
+/// 0..=2^64-1, also when written with a fraction part or exponent (`14454.0`, `1e3`), as
+/// JSON Schema's `integer` allows. A float is taken only up to 2^53, where every whole
+/// value is still exact; beyond that it must be written as an integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Whole(pub u64);
+
+impl<'de> serde::Deserialize<'de> for Whole {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Whole, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Whole;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a whole number from 0 to 18446744073709551615")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Whole, E> {
+                Ok(Whole(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Whole, E> {
+                u64::try_from(v)
+                    .map(Whole)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Whole, E> {
+                const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+                if v.fract() == 0.0 && (0.0..=EXACT).contains(&v) {
+                    Ok(Whole(v as u64))
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Float(v), &self))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// An optional whole number, `null` read as absent.
+pub fn whole(v: Option<Whole>) -> Option<u64> {
+    v.map(|w| w.0)
+}
+
+/// The configured body limits, put into each request so the 413 message can say them.
 #[derive(Clone, Copy)]
-pub struct BodyLimit(pub usize);
+pub struct BodyLimit {
+    pub bytes: usize,
+    /// Longest the body of one request may take to arrive.
+    pub read_timeout: Duration,
+}
 
 /// A query string of type `T`.
 pub struct Query<T>(pub T);
+
+/// Every parameter must decode to UTF-8: a lossy decoding would turn bad bytes into U+FFFD
+/// and quietly filter on a name nobody asked for.
+fn strict_query(query: &str) -> Result<(), ApiError> {
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let name_ok = percent_encoding::percent_decode_str(name)
+            .decode_utf8()
+            .map(|n| n.into_owned());
+        let Ok(name) = name_ok else {
+            return Err(ApiError::invalid(
+                "query",
+                "the query string has a parameter name that is not UTF-8",
+            ));
+        };
+        if percent_encoding::percent_decode_str(value)
+            .decode_utf8()
+            .is_err()
+        {
+            return Err(ApiError::Invalid {
+                message: format!("query parameter {name}: not valid UTF-8 once percent-decoded"),
+                field: Some(name),
+            });
+        }
+    }
+    Ok(())
+}
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
         let query = parts.uri.query().unwrap_or("");
+        strict_query(query)?;
         let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
         serde_path_to_error::deserialize(de)
             .map(Query)
@@ -97,6 +201,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
                 let inner = e.into_inner().to_string();
                 let field = match named_field(&inner) {
                     Some(named) => named,
+                    None if path == "." => "query".to_string(),
                     None => path,
                 };
                 ApiError::Invalid {
@@ -104,6 +209,35 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
                     field: Some(field),
                 }
             })
+    }
+}
+
+/// The documented name of a route's path parameter: the template says `{id}`, the
+/// reference says `session_id` or `job_id`.
+fn param_field(parts: &Parts) -> &'static str {
+    let template = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map(MatchedPath::as_str)
+        .unwrap_or("");
+    if template.starts_with("/v1/jobs/") || template.starts_with("/v1/admin/jobs/") {
+        "job_id"
+    } else if template.starts_with("/v1/sessions/") || template.starts_with("/v1/admin/sessions/") {
+        "session_id"
+    } else if template.contains("{pool}") {
+        "pool"
+    } else if template.contains("{queue}") {
+        "queue"
+    } else {
+        "key"
+    }
+}
+
+fn path_error(parts: &Parts, e: axum::extract::rejection::PathRejection) -> ApiError {
+    let field = param_field(parts);
+    ApiError::Invalid {
+        message: format!("path parameter {field}: {}", e.body_text()),
+        field: Some(field.to_string()),
     }
 }
 
@@ -133,10 +267,7 @@ pub fn metadata(value: Option<serde_json::Value>) -> Result<Option<String>, ApiE
 async fn segments(parts: &mut Parts) -> Result<Vec<String>, ApiError> {
     match Path::<Vec<String>>::from_request_parts(parts, &()).await {
         Ok(Path(v)) => Ok(v),
-        Err(e) => Err(ApiError::Invalid {
-            field: None,
-            message: e.body_text(),
-        }),
+        Err(e) => Err(path_error(parts, e)),
     }
 }
 
@@ -163,20 +294,20 @@ impl<S: Send + Sync> FromRequestParts<S> for KeyPath {
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
         let params = match Path::<Vec<(String, String)>>::from_request_parts(parts, &()).await {
             Ok(Path(v)) => v,
-            Err(e) => {
-                return Err(ApiError::Invalid {
-                    field: None,
-                    message: e.body_text(),
-                });
-            }
+            Err(e) => return Err(path_error(parts, e)),
         };
         let (name, text) = params.into_iter().next().unwrap_or_default();
-        let field = match name.as_str() {
-            "pool" => "pool",
-            "queue" => "queue",
-            _ => "key",
+        let (field, scope) = match name.as_str() {
+            "pool" => ("pool", Scope::Pool),
+            "queue" => ("queue", Scope::Queue),
+            _ => ("key", Scope::Key),
         };
-        Ok(KeyPath(LockKey::parse(field, &text)?))
+        let key = LockKey::parse(field, &text)?;
+        // A name outside the token's scopes is refused before anything is looked up.
+        if let Some(caller) = parts.extensions.get::<Caller>() {
+            caller.scope(scope, field, &text)?;
+        }
+        Ok(KeyPath(key))
     }
 }
 

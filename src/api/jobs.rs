@@ -7,10 +7,12 @@ use axum::response::{IntoResponse, Response};
 use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
 
-use super::AppState;
 use super::error::ApiError;
-use super::extract::{Body, KeyPath, Query, page_limit, session_id};
+use super::extract::{Body, KeyPath, Query, Whole, page_limit, session_id, whole};
+use super::gate::Caller;
 use super::wire::json_or_null;
+use super::{AppState, wait_slot};
+use crate::auth::Scope;
 use crate::domain::{Finish, JobId, JobRecord, JobStatus, NewJob, Token};
 
 pub fn routes() -> Router<AppState> {
@@ -44,8 +46,22 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for JobPath {
 struct EnqueueRequest {
     payload: serde_json::Value,
     idempotent: Option<bool>,
-    max_recoveries: Option<u32>,
+    max_recoveries: Option<Whole>,
     kind: Option<String>,
+}
+
+/// A recovery budget beyond `u32` is refused here; the domain's own ceiling applies after.
+fn max_recoveries(v: Option<Whole>) -> Result<Option<u32>, ApiError> {
+    whole(v)
+        .map(|n| {
+            u32::try_from(n).map_err(|_| {
+                ApiError::invalid(
+                    "max_recoveries",
+                    "max_recoveries must be a whole number from 0 to 4294967295",
+                )
+            })
+        })
+        .transpose()
 }
 
 #[derive(Serialize)]
@@ -66,7 +82,7 @@ async fn enqueue(
             queue: queue.clone(),
             payload: req.payload.to_string(),
             idempotent: req.idempotent.unwrap_or(false),
-            max_recoveries: req.max_recoveries,
+            max_recoveries: max_recoveries(req.max_recoveries)?,
             kind: req.kind,
         })
         .await?;
@@ -84,7 +100,7 @@ async fn enqueue(
 #[serde(deny_unknown_fields)]
 struct ClaimRequest {
     session_id: String,
-    wait_ms: Option<u64>,
+    wait_ms: Option<Whole>,
 }
 
 #[derive(Serialize)]
@@ -101,15 +117,15 @@ struct ClaimResponse {
 
 async fn claim(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(queue): KeyPath,
     Body(req): Body<ClaimRequest>,
 ) -> Result<Response, ApiError> {
     let id = session_id(&req.session_id)?;
-    let Some(c) = app
-        .engine
-        .claim(id, queue.clone(), req.wait_ms.unwrap_or(0))
-        .await?
-    else {
+    caller.act(id)?;
+    let wait_ms = whole(req.wait_ms).unwrap_or(0);
+    let _slot = wait_slot(&app, &caller, wait_ms, "queue", &queue)?;
+    let Some(c) = app.engine.claim(id, queue.clone(), wait_ms).await? else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     // The claim is committed, and so is the job's payload: it was written at enqueue.
@@ -136,7 +152,7 @@ async fn claim(
 #[serde(deny_unknown_fields)]
 struct CompleteRequest {
     session_id: String,
-    token: u64,
+    token: Whole,
     result: Option<serde_json::Value>,
 }
 
@@ -144,7 +160,7 @@ struct CompleteRequest {
 #[serde(deny_unknown_fields)]
 struct FailRequest {
     session_id: String,
-    token: u64,
+    token: Whole,
     reason: Option<String>,
 }
 
@@ -152,7 +168,7 @@ struct FailRequest {
 #[serde(deny_unknown_fields)]
 struct ReleaseRequest {
     session_id: String,
-    token: u64,
+    token: Whole,
 }
 
 #[derive(Serialize)]
@@ -164,12 +180,14 @@ struct FinishResponse {
 
 async fn finish(
     app: &AppState,
+    caller: &Caller,
     job: JobId,
     session: &str,
     token: u64,
     how: Finish,
 ) -> Result<Json<FinishResponse>, ApiError> {
     let id = session_id(session)?;
+    caller.act(id)?;
     let state = match how {
         Finish::Complete { .. } => "done",
         Finish::Fail { .. } => "failed",
@@ -185,15 +203,17 @@ async fn finish(
 
 async fn complete(
     State(app): State<AppState>,
+    caller: Caller,
     JobPath(job): JobPath,
     Body(req): Body<CompleteRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
     let result = req.result.map(|r| r.to_string()).unwrap_or_default();
     finish(
         &app,
+        &caller,
         job,
         &req.session_id,
-        req.token,
+        req.token.0,
         Finish::Complete { result },
     )
     .await
@@ -201,15 +221,17 @@ async fn complete(
 
 async fn fail(
     State(app): State<AppState>,
+    caller: Caller,
     JobPath(job): JobPath,
     Body(req): Body<FailRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
     let reason = req.reason.unwrap_or_else(|| "failed by worker".into());
     finish(
         &app,
+        &caller,
         job,
         &req.session_id,
-        req.token,
+        req.token.0,
         Finish::Fail { reason },
     )
     .await
@@ -217,10 +239,19 @@ async fn fail(
 
 async fn release(
     State(app): State<AppState>,
+    caller: Caller,
     JobPath(job): JobPath,
     Body(req): Body<ReleaseRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
-    finish(&app, job, &req.session_id, req.token, Finish::Release).await
+    finish(
+        &app,
+        &caller,
+        job,
+        &req.session_id,
+        req.token.0,
+        Finish::Release,
+    )
+    .await
 }
 
 #[derive(Serialize)]
@@ -285,8 +316,18 @@ pub fn job_json(id: JobId, r: JobRecord, payload: Option<&str>) -> Job {
     job
 }
 
-async fn show(State(app): State<AppState>, JobPath(id): JobPath) -> Result<Json<Job>, ApiError> {
-    let (record, payload) = app.engine.job(id).await?.ok_or(ApiError::JobNotFound)?;
+async fn show(
+    State(app): State<AppState>,
+    caller: Caller,
+    JobPath(id): JobPath,
+) -> Result<Json<Job>, ApiError> {
+    let (record, payload) = app
+        .engine
+        .job(id)
+        .await?
+        // A job in a queue outside the token's scopes reads as absent: ids are no oracle.
+        .filter(|(r, _)| caller.sees(Scope::Queue, &r.queue))
+        .ok_or(ApiError::JobNotFound)?;
     Ok(Json(job_json(id, record, Some(&payload))))
 }
 

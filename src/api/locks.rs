@@ -5,10 +5,12 @@ use axum::extract::State;
 use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
 
-use super::AppState;
 use super::error::ApiError;
-use super::extract::{Body, KeyPath, Query, page_limit, session_id};
+use super::extract::{Body, KeyPath, Query, Whole, page_limit, session_id, whole};
+use super::gate::Caller;
 use super::wire::Lock;
+use super::{AppState, wait_slot};
+use crate::auth::Scope;
 use crate::domain::Token;
 
 pub fn routes() -> Router<AppState> {
@@ -24,7 +26,7 @@ pub fn routes() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 struct AcquireRequest {
     session_id: String,
-    wait_ms: Option<u64>,
+    wait_ms: Option<Whole>,
 }
 
 #[derive(Serialize)]
@@ -37,14 +39,15 @@ struct AcquireResponse {
 
 async fn acquire(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(key): KeyPath,
     Body(req): Body<AcquireRequest>,
 ) -> Result<Json<AcquireResponse>, ApiError> {
     let id = session_id(&req.session_id)?;
-    let granted = app
-        .engine
-        .acquire(id, key.clone(), req.wait_ms.unwrap_or(0))
-        .await?;
+    caller.act(id)?;
+    let wait_ms = whole(req.wait_ms).unwrap_or(0);
+    let _slot = wait_slot(&app, &caller, wait_ms, "lock", &key)?;
+    let granted = app.engine.acquire(id, key.clone(), wait_ms).await?;
     Ok(Json(AcquireResponse {
         key: key.to_string(),
         token: granted.token.0,
@@ -57,7 +60,7 @@ async fn acquire(
 #[serde(deny_unknown_fields)]
 struct ReleaseRequest {
     session_id: String,
-    token: u64,
+    token: Whole,
 }
 
 #[derive(Serialize)]
@@ -68,11 +71,13 @@ struct ReleaseResponse {
 
 async fn release(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(key): KeyPath,
     Body(req): Body<ReleaseRequest>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     let id = session_id(&req.session_id)?;
-    let revision = app.engine.release(id, key, Token(req.token)).await?;
+    caller.act(id)?;
+    let revision = app.engine.release(id, key, Token(req.token.0)).await?;
     Ok(Json(ReleaseResponse {
         released: true,
         revision,
@@ -102,9 +107,12 @@ struct ListResponse {
 
 async fn list(
     State(app): State<AppState>,
+    caller: Caller,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<ListResponse>, ApiError> {
     let limit = page_limit(q.limit, 100, 1_000)?;
+    // A scoped token lists under one of its prefixes, so the filter is the scope check.
+    caller.scope(Scope::Key, "prefix", q.prefix.as_deref().unwrap_or(""))?;
     let (rows, next) = app
         .engine
         .locks(q.prefix.as_deref().unwrap_or(""), q.after.as_deref(), limit)

@@ -5,6 +5,7 @@ mod admin;
 pub mod error;
 mod events;
 mod extract;
+pub mod gate;
 mod jobs;
 mod locks;
 mod pools;
@@ -12,7 +13,9 @@ mod probes;
 mod sessions;
 mod wire;
 
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
@@ -28,12 +31,117 @@ use extract::BodyLimit;
 #[derive(Clone)]
 pub struct AppState {
     pub engine: Engine,
+    waits: Arc<Waits>,
+}
+
+/// Limits the API applies above the backend.
+#[derive(Debug, Clone, Copy)]
+pub struct ApiLimits {
+    pub max_body_bytes: usize,
+    pub body_read_timeout: Duration,
+    /// Most requests waiting on one lock key, pool or queue at once.
+    pub max_waiters_per_key: u32,
+    /// Most requests of one token waiting at once.
+    pub max_waiters_per_token: u32,
+}
+
+impl ApiLimits {
+    /// The job routes take a payload or result of its own 64 KiB limit on top.
+    pub fn job_body_bytes(&self) -> usize {
+        self.max_body_bytes + crate::domain::jobs::MAX_PAYLOAD_BYTES
+    }
+}
+
+/// Waiting requests per resource, to bound a flood of waiters on one key. Only requests
+/// that wait (`wait_ms` > 0) come here, so the map costs nothing on the fast path.
+struct Waits {
+    per_key: parking_lot::Mutex<HashMap<(&'static str, String), u32>>,
+    max_per_key: u32,
+    max_per_token: u32,
+}
+
+/// A waiting request's places in the per-key and per-token counts, given back on drop.
+pub struct WaitSlot {
+    waits: Arc<Waits>,
+    key: Option<(&'static str, String)>,
+    _token: Option<crate::auth::WaitSlot>,
+}
+
+impl Drop for WaitSlot {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            let mut map = self.waits.per_key.lock();
+            if let Some(n) = map.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+/// A place among the waiters of `name` (a lock key, pool or queue) and of the caller's
+/// token, or `429 too_many_waiters`. A request that does not wait takes none.
+pub fn wait_slot(
+    app: &AppState,
+    caller: &gate::Caller,
+    wait_ms: u64,
+    kind: &'static str,
+    name: &impl std::fmt::Display,
+) -> Result<Option<WaitSlot>, ApiError> {
+    if wait_ms == 0 {
+        return Ok(None);
+    }
+    let token = match caller.waiting() {
+        Some(counter) => Some(
+            crate::auth::WaitSlot::take(counter, app.waits.max_per_token)
+                .ok_or(ApiError::TooManyWaiters("for this token"))?,
+        ),
+        None => None,
+    };
+    let key = (kind, name.to_string());
+    {
+        let mut map = app.waits.per_key.lock();
+        let n = map.entry(key.clone()).or_insert(0);
+        if *n >= app.waits.max_per_key {
+            return Err(ApiError::TooManyWaiters(match kind {
+                "lock" => "on this lock",
+                "pool" => "on this pool",
+                _ => "on this queue",
+            }));
+        }
+        *n += 1;
+    }
+    Ok(Some(WaitSlot {
+        waits: app.waits.clone(),
+        key: Some(key),
+        _token: token,
+    }))
+}
+
+/// An operator's or admin's action, in the log with the token that made it (never its
+/// secret).
+pub fn audit(caller: &gate::Caller, action: &str, target: &impl std::fmt::Display) {
+    tracing::info!(target: "leasehold::audit", token = caller.name(), action, %target, "admin action");
 }
 
 /// Every route of the API, with the body limit, request metrics and panic catching.
-pub fn router(engine: Engine, max_body_bytes: usize) -> Router {
-    let state = AppState { engine };
-    let job_body_limit = max_body_bytes + crate::domain::jobs::MAX_PAYLOAD_BYTES;
+pub fn router(engine: Engine, limits: ApiLimits) -> Router {
+    let state = AppState {
+        engine,
+        waits: Arc::new(Waits {
+            per_key: parking_lot::Mutex::new(HashMap::new()),
+            max_per_key: limits.max_waiters_per_key,
+            max_per_token: limits.max_waiters_per_token,
+        }),
+    };
+    let max_body_bytes = limits.max_body_bytes;
+    let job_body_limit = limits.job_body_bytes();
+    let body = |bytes| BodyLimit {
+        bytes,
+        read_timeout: limits.body_read_timeout,
+    };
     Router::new()
         .merge(sessions::routes())
         .merge(locks::routes())
@@ -42,7 +150,7 @@ pub fn router(engine: Engine, max_body_bytes: usize) -> Router {
         .merge(
             jobs::routes()
                 .layer(DefaultBodyLimit::max(job_body_limit))
-                .layer(axum::Extension(BodyLimit(job_body_limit))),
+                .layer(axum::Extension(body(job_body_limit))),
         )
         .merge(events::routes())
         .merge(admin::routes())
@@ -51,7 +159,7 @@ pub fn router(engine: Engine, max_body_bytes: usize) -> Router {
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(middleware::from_fn_with_state(state.clone(), observe))
         .layer(DefaultBodyLimit::max(max_body_bytes))
-        .layer(axum::Extension(BodyLimit(max_body_bytes)))
+        .layer(axum::Extension(body(max_body_bytes)))
         .layer(CatchPanicLayer::new())
         .with_state(state)
 }
@@ -64,7 +172,7 @@ async fn observe(State(app): State<AppState>, req: Request, next: Next) -> Respo
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_else(|| "unmatched".to_owned());
-    let method = req.method().as_str().to_owned();
+    let method = method_label(req.method()).to_owned();
     let response = next.run(req).await.into_response();
     // The route template, never the path: a path can carry a session id, a capability.
     tracing::debug!(
@@ -86,4 +194,20 @@ async fn observe(State(app): State<AppState>, req: Request, next: Next) -> Respo
         .get_or_create(&RouteLabel { route })
         .observe(started.elapsed().as_secs_f64());
     response
+}
+
+/// The method as a metric label: the methods the API knows, and `other` for the rest, so
+/// that a client sending made-up methods cannot grow the series without bound.
+fn method_label(m: &axum::http::Method) -> &'static str {
+    use axum::http::Method;
+    match *m {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        Method::PATCH => "PATCH",
+        _ => "other",
+    }
 }

@@ -6,10 +6,12 @@ use axum::http::StatusCode;
 use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
 
-use super::AppState;
 use super::error::ApiError;
-use super::extract::{Body, KeyPath, metadata, session_id};
+use super::extract::{Body, KeyPath, Whole, metadata, session_id, whole};
+use super::gate::Caller;
 use super::wire::json_or_null;
+use super::{AppState, audit, wait_slot};
+use crate::auth::Scope;
 use crate::domain::Token;
 
 pub fn routes() -> Router<AppState> {
@@ -26,7 +28,7 @@ pub fn routes() -> Router<AppState> {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PutRequest {
-    capacity: u64,
+    capacity: Whole,
     metadata: Option<serde_json::Value>,
 }
 
@@ -40,13 +42,15 @@ struct PutResponse {
 
 async fn put(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(pool): KeyPath,
     Body(req): Body<PutRequest>,
 ) -> Result<(StatusCode, Json<PutResponse>), ApiError> {
     let metadata = metadata(req.metadata)?;
+    audit(&caller, "pool_put", &pool);
     let put = app
         .engine
-        .put_pool(pool.clone(), req.capacity, metadata)
+        .put_pool(pool.clone(), req.capacity.0, metadata)
         .await?;
     let status = if put.created {
         StatusCode::CREATED
@@ -57,7 +61,7 @@ async fn put(
         status,
         Json(PutResponse {
             pool: pool.to_string(),
-            capacity: req.capacity,
+            capacity: req.capacity.0,
             created: put.created,
             revision: put.revision,
         }),
@@ -136,13 +140,15 @@ struct ListResponse {
     pools: Vec<PoolSummary>,
 }
 
-async fn list(State(app): State<AppState>) -> Result<Json<ListResponse>, ApiError> {
+async fn list(State(app): State<AppState>, caller: Caller) -> Result<Json<ListResponse>, ApiError> {
     Ok(Json(ListResponse {
         pools: app
             .engine
             .pools()
             .await?
             .into_iter()
+            // A scoped token sees the pools under its prefixes only.
+            .filter(|(pool, _, _)| caller.sees(Scope::Pool, pool))
             .map(|(pool, capacity, in_use)| PoolSummary {
                 pool,
                 capacity,
@@ -160,8 +166,10 @@ struct DeleteResponse {
 
 async fn delete(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(pool): KeyPath,
 ) -> Result<Json<DeleteResponse>, ApiError> {
+    audit(&caller, "pool_delete", &pool);
     let revision = app.engine.delete_pool(pool).await?;
     Ok(Json(DeleteResponse {
         deleted: true,
@@ -173,7 +181,7 @@ async fn delete(
 #[serde(deny_unknown_fields)]
 struct AcquireRequest {
     session_id: String,
-    wait_ms: Option<u64>,
+    wait_ms: Option<Whole>,
     metadata: Option<serde_json::Value>,
 }
 
@@ -187,14 +195,18 @@ struct AcquireResponse {
 
 async fn acquire(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(pool): KeyPath,
     Body(req): Body<AcquireRequest>,
 ) -> Result<Json<AcquireResponse>, ApiError> {
     let id = session_id(&req.session_id)?;
+    caller.act(id)?;
     let metadata = metadata(req.metadata)?;
+    let wait_ms = whole(req.wait_ms).unwrap_or(0);
+    let _slot = wait_slot(&app, &caller, wait_ms, "pool", &pool)?;
     let granted = app
         .engine
-        .acquire_seat(id, pool.clone(), metadata, req.wait_ms.unwrap_or(0))
+        .acquire_seat(id, pool.clone(), metadata, wait_ms)
         .await?;
     Ok(Json(AcquireResponse {
         pool: pool.to_string(),
@@ -208,7 +220,7 @@ async fn acquire(
 #[serde(deny_unknown_fields)]
 struct ReleaseRequest {
     session_id: String,
-    seat_token: u64,
+    seat_token: Whole,
 }
 
 #[derive(Serialize)]
@@ -219,13 +231,15 @@ struct ReleaseResponse {
 
 async fn release(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(pool): KeyPath,
     Body(req): Body<ReleaseRequest>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     let id = session_id(&req.session_id)?;
+    caller.act(id)?;
     let revision = app
         .engine
-        .release_seat(id, pool, Token(req.seat_token))
+        .release_seat(id, pool, Token(req.seat_token.0))
         .await?;
     Ok(Json(ReleaseResponse {
         released: true,

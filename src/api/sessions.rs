@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use super::AppState;
 use super::error::ApiError;
-use super::extract::{Body, Query, SessionPath, metadata, page_limit, session_id};
+use super::extract::{Body, Query, SessionPath, Whole, metadata, page_limit, session_id, whole};
+use super::gate::Caller;
 use super::wire::{Session, ms};
 use crate::domain::EndReason;
 
@@ -22,7 +23,7 @@ pub fn routes() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 struct OpenRequest {
     owner: String,
-    ttl_ms: Option<u64>,
+    ttl_ms: Option<Whole>,
     metadata: Option<serde_json::Value>,
 }
 
@@ -36,10 +37,14 @@ struct OpenResponse {
 
 async fn open(
     State(app): State<AppState>,
+    caller: Caller,
     Body(req): Body<OpenRequest>,
 ) -> Result<(StatusCode, Json<OpenResponse>), ApiError> {
     let metadata = metadata(req.metadata)?;
-    let opened = app.engine.open(req.owner, req.ttl_ms, metadata).await?;
+    let opened = app
+        .engine
+        .open_as(caller.mint(), req.owner, whole(req.ttl_ms), metadata)
+        .await?;
     Ok((
         StatusCode::CREATED,
         Json(OpenResponse {
@@ -54,7 +59,7 @@ async fn open(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct HeartbeatRequest {
-    ttl_ms: Option<u64>,
+    ttl_ms: Option<Whole>,
 }
 
 #[derive(Serialize)]
@@ -70,11 +75,13 @@ struct HeartbeatResponse {
 
 async fn heartbeat(
     State(app): State<AppState>,
+    caller: Caller,
     SessionPath(id): SessionPath,
     Body(req): Body<HeartbeatRequest>,
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
+    caller.act(id)?;
     let started = std::time::Instant::now();
-    let beat = app.engine.heartbeat(id, req.ttl_ms).await?;
+    let beat = app.engine.heartbeat(id, whole(req.ttl_ms)).await?;
     // Rounded up, so that the figure never overstates what is left.
     let spent_ms = started.elapsed().as_micros().div_ceil(1000) as u64;
     Ok(Json(HeartbeatResponse {
@@ -118,15 +125,19 @@ pub async fn end(
 
 async fn close(
     State(app): State<AppState>,
+    caller: Caller,
     SessionPath(id): SessionPath,
 ) -> Result<Json<CloseResponse>, ApiError> {
+    caller.act(id)?;
     end(&app, id, EndReason::Closed).await
 }
 
 async fn show(
     State(app): State<AppState>,
+    caller: Caller,
     SessionPath(id): SessionPath,
 ) -> Result<Json<Session>, ApiError> {
+    caller.read_session(id)?;
     match app.engine.session(id).await? {
         Some(info) => Ok(Json(info.into())),
         None => Err(ApiError::SessionGone),

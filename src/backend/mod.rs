@@ -64,6 +64,18 @@ pub trait Backend: Clone + Send + Sync + 'static {
         owner: String,
         ttl_ms: Option<u64>,
         metadata: Option<String>,
+    ) -> impl Future<Output = Result<OpenedSession>> + Send {
+        self.open_as(SessionId::random(), owner, ttl_ms, metadata)
+    }
+    /// Opens a session under an id the caller drew: the API draws ids that carry which
+    /// token opened them. The id must be as unguessable as a random one and never used
+    /// before.
+    fn open_as(
+        &self,
+        id: SessionId,
+        owner: String,
+        ttl_ms: Option<u64>,
+        metadata: Option<String>,
     ) -> impl Future<Output = Result<OpenedSession>> + Send;
     /// Extends a live session (and changes its TTL when one is given). `SessionGone` is
     /// terminal: once said for an id it is said forever, and the session's end is durable

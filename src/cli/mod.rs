@@ -111,8 +111,13 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Fencing-token administration on a running server.
+    /// API tokens in a tokens file (create, list, revoke; the server reloads the file on
+    /// SIGHUP), and the fencing-token floor of a running server (raise-floor).
     Tokens {
+        /// The tokens file, as the server's tokens_file setting names it (create, list,
+        /// revoke).
+        #[arg(long, env = "LEASEHOLD_TOKENS_FILE", global = true)]
+        file: Option<PathBuf>,
         #[command(flatten)]
         server: ServerArg,
         #[command(subcommand)]
@@ -169,6 +174,15 @@ struct ServerArg {
         global = true
     )]
     server: String,
+    /// The API token to call with (sent as `Authorization: Bearer`); needed when the
+    /// server has a tokens file.
+    #[arg(
+        long,
+        env = "LEASEHOLD_API_TOKEN",
+        global = true,
+        hide_env_values = true
+    )]
+    token: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -339,6 +353,46 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_connections: Option<usize>,
+    /// Most open connections from one client address [default: 1024]
+    #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS_PER_CLIENT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_connections_per_client: Option<usize>,
+    /// Longest a request body may take to arrive, in ms [default: 10000]
+    #[arg(long, env = "LEASEHOLD_BODY_READ_TIMEOUT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body_read_timeout_ms: Option<u64>,
+    /// Most requests waiting on one key, pool or queue [default: 1000]
+    #[arg(long, env = "LEASEHOLD_MAX_WAITERS_PER_KEY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_waiters_per_key: Option<u32>,
+    /// Most requests of one token waiting at once [default: 1000]
+    #[arg(long, env = "LEASEHOLD_MAX_WAITERS_PER_TOKEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_waiters_per_token: Option<u32>,
+    /// The API tokens file; without one only loopback addresses may be served [default: none]
+    #[arg(long, env = "LEASEHOLD_TOKENS_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokens_file: Option<PathBuf>,
+    /// Requests a second per token, sustained [default: 1000]
+    #[arg(long, env = "LEASEHOLD_RATE_LIMIT_PER_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rate_limit_per_s: Option<f64>,
+    /// Requests per token at once above the sustained rate [default: 2000]
+    #[arg(long, env = "LEASEHOLD_RATE_LIMIT_BURST")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rate_limit_burst: Option<u32>,
+    /// Serve /metrics without a token [default: false]
+    #[arg(long, env = "LEASEHOLD_METRICS_OPEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics_open: Option<bool>,
+    /// PEM certificate chain; with --tls-key-file the port speaks HTTPS [default: none]
+    #[arg(long, env = "LEASEHOLD_TLS_CERT_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the certificate [default: none]
+    #[arg(long, env = "LEASEHOLD_TLS_KEY_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_key_file: Option<PathBuf>,
     /// How long shutdown waits for in-flight requests, in ms [default: 10000]
     #[arg(long, env = "LEASEHOLD_SHUTDOWN_GRACE_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -373,28 +427,24 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Migrate { postgres } => {
             check::migrate(postgres.postgres_url.as_deref(), &postgres.namespace)
         }
-        Command::Sessions { server, action } => {
-            remote::block_on(remote::sessions(&server.server, action))
-        }
-        Command::Locks { server, action } => {
-            remote::block_on(remote::locks(&server.server, action))
-        }
+        Command::Sessions { server, action } => remote::block_on(remote::sessions(&server, action)),
+        Command::Locks { server, action } => remote::block_on(remote::locks(&server, action)),
         Command::Events {
             server,
             after,
             limit,
             follow,
-        } => remote::block_on(remote::events(&server.server, after, limit, follow)),
-        Command::Pools { server, action } => {
-            remote::block_on(remote::pools(&server.server, action))
-        }
-        Command::Jobs { server, action } => remote::block_on(remote::jobs(&server.server, action)),
+        } => remote::block_on(remote::events(&server, after, limit, follow)),
+        Command::Pools { server, action } => remote::block_on(remote::pools(&server, action)),
+        Command::Jobs { server, action } => remote::block_on(remote::jobs(&server, action)),
         Command::Bench(args) => bench::run(args),
         Command::Run(args) => run::run(*args),
-        Command::Reap { server, dry_run } => {
-            remote::block_on(remote::reap(&server.server, dry_run))
-        }
-        Command::Tokens { server, action } => remote::block_on(tokens::run(&server.server, action)),
+        Command::Reap { server, dry_run } => remote::block_on(remote::reap(&server, dry_run)),
+        Command::Tokens {
+            file,
+            server,
+            action,
+        } => tokens::run(file.as_deref(), &server, action),
         Command::Backup(args) => backup::backup(args),
         Command::Restore(args) => backup::restore(args),
         Command::Generate { what } => generate::run(what),

@@ -6,8 +6,13 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::{JobsAction, LocksAction, PoolsAction, SessionsAction};
+use super::{JobsAction, LocksAction, PoolsAction, ServerArg, SessionsAction};
 use crate::client::{Client, ClientError, Reply, segment};
+
+/// A client for the server named by `--server`, calling with `--token` when one is given.
+pub(super) fn connect(server: &ServerArg) -> Result<Client, ClientError> {
+    Client::new(&server.server)?.with_token(server.token.clone())
+}
 
 pub fn block_on(fut: impl Future<Output = Result<(), ClientError>>) -> ExitCode {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -56,8 +61,8 @@ fn query(pairs: &[(&str, &str)]) -> String {
     s.finish()
 }
 
-pub async fn sessions(server: &str, action: SessionsAction) -> Result<(), ClientError> {
-    let client = Client::new(server)?;
+pub async fn sessions(server: &ServerArg, action: SessionsAction) -> Result<(), ClientError> {
+    let client = connect(server)?;
     match action {
         SessionsAction::List { owner, limit } => {
             let limit = limit.to_string();
@@ -80,8 +85,8 @@ pub async fn sessions(server: &str, action: SessionsAction) -> Result<(), Client
     }
 }
 
-pub async fn locks(server: &str, action: LocksAction) -> Result<(), ClientError> {
-    let client = Client::new(server)?;
+pub async fn locks(server: &ServerArg, action: LocksAction) -> Result<(), ClientError> {
+    let client = connect(server)?;
     match action {
         LocksAction::List { prefix, limit } => {
             let limit = limit.to_string();
@@ -94,8 +99,8 @@ pub async fn locks(server: &str, action: LocksAction) -> Result<(), ClientError>
     }
 }
 
-pub async fn pools(server: &str, action: PoolsAction) -> Result<(), ClientError> {
-    let client = Client::new(server)?;
+pub async fn pools(server: &ServerArg, action: PoolsAction) -> Result<(), ClientError> {
+    let client = connect(server)?;
     match action {
         PoolsAction::List => print(client.get("/v1/pools").await?),
         PoolsAction::Show { pool } => {
@@ -118,8 +123,8 @@ pub async fn pools(server: &str, action: PoolsAction) -> Result<(), ClientError>
     }
 }
 
-pub async fn jobs(server: &str, action: JobsAction) -> Result<(), ClientError> {
-    let client = Client::new(server)?;
+pub async fn jobs(server: &ServerArg, action: JobsAction) -> Result<(), ClientError> {
+    let client = connect(server)?;
     match action {
         JobsAction::Show { id } => print(client.get(&format!("/v1/jobs/{}", segment(&id))).await?),
         JobsAction::Queue { queue } => print(
@@ -147,12 +152,12 @@ pub async fn jobs(server: &str, action: JobsAction) -> Result<(), ClientError> {
 }
 
 pub async fn events(
-    server: &str,
+    server: &ServerArg,
     after: u64,
     limit: usize,
     follow: bool,
 ) -> Result<(), ClientError> {
-    let client = Client::new(server)?;
+    let client = connect(server)?;
     let mut after = after;
     loop {
         let reply = client
@@ -175,8 +180,8 @@ pub async fn events(
     }
 }
 
-pub async fn reap(server: &str, dry_run: bool) -> Result<(), ClientError> {
-    let client = Client::new(server)?;
+pub async fn reap(server: &ServerArg, dry_run: bool) -> Result<(), ClientError> {
+    let client = connect(server)?;
     let body: Value = json!({ "dry_run": dry_run });
     print(client.post("/v1/admin/reap", &body).await?)
 }

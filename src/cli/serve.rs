@@ -1,4 +1,5 @@
-//! `leasehold serve`: configuration → logging → store → engine → HTTP, until SIGTERM/SIGINT.
+//! `leasehold serve`: configuration → logging → store → engine → HTTP, until SIGTERM/SIGINT;
+//! SIGHUP reloads the tokens file.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -66,6 +67,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
                 "leasehold is serving"
             ),
         }
+        reload_on_hangup(app.reloadable());
         // Bound and open: systemd (Type=notify) may now count the service as started.
         super::notify::notify("READY=1");
         app.serve_until(async {
@@ -89,6 +91,24 @@ fn init_logging(config: &Config) {
         // No colours: under systemd the journal would store the escape codes.
         LogFormat::Text => builder.with_ansi(false).init(),
     }
+}
+
+/// SIGHUP reloads the tokens file and the TLS certificate; connections and requests in
+/// flight carry on. Without either it is logged and ignored, rather than ending the process.
+fn reload_on_hangup((auth, tls): (Option<Arc<crate::auth::Auth>>, Option<Arc<crate::tls::Tls>>)) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            if auth.is_none() && tls.is_none() {
+                tracing::info!("SIGHUP: no tokens_file or TLS certificate to reload");
+                continue;
+            }
+            if let Err(e) = crate::app::reload(auth.as_deref(), tls.as_deref()) {
+                tracing::error!(error = %e, "SIGHUP: not reloaded; what is in force stays");
+            }
+        }
+    });
 }
 
 async fn shutdown_signal() {

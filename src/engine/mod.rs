@@ -79,6 +79,17 @@ impl Engine {
         each!(self, b => Backend::open(b, owner, ttl_ms, metadata).await)
     }
 
+    /// Opens a session under an id the caller drew (see [`Backend::open_as`]).
+    pub async fn open_as(
+        &self,
+        id: SessionId,
+        owner: String,
+        ttl_ms: Option<u64>,
+        metadata: Option<String>,
+    ) -> Result<OpenedSession> {
+        each!(self, b => Backend::open_as(b, id, owner, ttl_ms, metadata).await)
+    }
+
     pub async fn heartbeat(&self, id: SessionId, ttl_ms: Option<u64>) -> Result<Beat> {
         each!(self, b => Backend::heartbeat(b, id, ttl_ms).await)
     }

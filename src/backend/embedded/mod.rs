@@ -190,13 +190,14 @@ impl Backend for Embedded {
         Embedded::shutdown(self)
     }
 
-    async fn open(
+    async fn open_as(
         &self,
+        id: SessionId,
         owner: String,
         ttl_ms: Option<u64>,
         metadata: Option<String>,
     ) -> Result<OpenedSession, BackendError> {
-        Embedded::open(self, owner, ttl_ms, metadata).await
+        Embedded::open_as(self, id, owner, ttl_ms, metadata).await
     }
 
     async fn heartbeat(&self, id: SessionId, ttl_ms: Option<u64>) -> Result<Beat, BackendError> {

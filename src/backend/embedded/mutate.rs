@@ -20,7 +20,17 @@ impl Embedded {
         ttl_ms: Option<u64>,
         metadata: Option<String>,
     ) -> Result<OpenedSession, BackendError> {
-        let id = SessionId::random();
+        self.open_as(SessionId::random(), owner, ttl_ms, metadata)
+            .await
+    }
+
+    pub async fn open_as(
+        &self,
+        id: SessionId,
+        owner: String,
+        ttl_ms: Option<u64>,
+        metadata: Option<String>,
+    ) -> Result<OpenedSession, BackendError> {
         self.call(|reply| Command::Open {
             id,
             owner,

@@ -803,13 +803,14 @@ impl Backend for Postgres {
         Postgres::shutdown(self)
     }
 
-    async fn open(
+    async fn open_as(
         &self,
+        id: SessionId,
         owner: String,
         ttl_ms: Option<u64>,
         metadata: Option<String>,
     ) -> Result<OpenedSession> {
-        Postgres::open(self, owner, ttl_ms, metadata).await
+        Postgres::open_as(self, id, owner, ttl_ms, metadata).await
     }
 
     async fn heartbeat(&self, id: SessionId, ttl_ms: Option<u64>) -> Result<Beat> {

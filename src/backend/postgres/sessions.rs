@@ -337,6 +337,17 @@ impl Postgres {
         ttl_ms: Option<u64>,
         metadata: Option<String>,
     ) -> Result<OpenedSession> {
+        self.open_as(SessionId::random(), owner, ttl_ms, metadata)
+            .await
+    }
+
+    pub async fn open_as(
+        &self,
+        id: SessionId,
+        owner: String,
+        ttl_ms: Option<u64>,
+        metadata: Option<String>,
+    ) -> Result<OpenedSession> {
         let limits = &self.config().limits;
         limits.owner(&owner)?;
         let ttl_ms = limits.ttl(ttl_ms)?;
@@ -344,7 +355,6 @@ impl Postgres {
         if let Some(m) = &metadata {
             limits.metadata(m)?;
         }
-        let id = SessionId::random();
         let row = self
             .query_opt(OPEN, &[&id.0, &owner, &metadata, &(ttl_ms as i64)], false)
             .await?

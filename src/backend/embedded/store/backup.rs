@@ -263,7 +263,10 @@ mod tests {
             .collect();
         assert_eq!(created, names.0);
         let listed: BTreeSet<String> = tables::ALL.iter().map(|n| n.to_string()).collect();
-        assert_eq!(listed, names.0, "tables::ALL and tables::each_table disagree");
+        assert_eq!(
+            listed, names.0,
+            "tables::ALL and tables::each_table disagree"
+        );
     }
 
     #[test]

@@ -137,6 +137,16 @@ impl Store {
         }
         check_seats(&txn, report.revision, problems)?;
         check_jobs(&txn, report.revision, problems)?;
+        let hashes = txn
+            .open_table(super::chain::EVENT_HASHES)
+            .map_err(StoreError::redb)?;
+        // Streamed: a row that cannot be read is reported by the pass below.
+        let stored = events
+            .iter()
+            .map_err(StoreError::redb)?
+            .filter_map(Result::ok)
+            .map(|(k, v)| (k.value(), v.value().to_vec()));
+        super::chain::verify(&hashes, stored, problems)?;
         for row in events.iter().map_err(StoreError::redb)? {
             let (seq, bytes) = row.map_err(StoreError::redb)?;
             report.events += 1;

@@ -12,6 +12,7 @@
 //! - [`codec`]: the file format of records; [`fault`]: fault injection for tests.
 
 pub mod backup;
+mod chain;
 mod check;
 pub mod codec;
 mod db;

@@ -80,6 +80,7 @@ pub const ALL: &[&str] = &[
     "job_payloads",
     "jobs_by_state",
     "session_jobs",
+    "event_hashes",
 ];
 
 pub(super) const META_SCHEMA: &str = "schema";
@@ -130,6 +131,7 @@ pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
     f.table(JOB_PAYLOADS)?;
     f.table(JOBS_BY_STATE)?;
     f.table(SESSION_JOBS)?;
+    f.table(super::chain::EVENT_HASHES)?;
     Ok(())
 }
 
@@ -142,6 +144,8 @@ pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
     txn.open_table(LOCKS).map_err(StoreError::redb)?;
     txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
     txn.open_table(EVENTS).map_err(StoreError::redb)?;
+    txn.open_table(super::chain::EVENT_HASHES)
+        .map_err(StoreError::redb)?;
     txn.open_table(POOLS).map_err(StoreError::redb)?;
     txn.open_table(SEATS).map_err(StoreError::redb)?;
     txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 
 use redb::{ReadableTable, WriteTransaction};
 
+use super::chain;
 use super::codec;
 use super::db::Store;
 use super::error::StoreError;
@@ -91,6 +92,9 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let stored_row = counter(&meta, META_SESSION_ROW)?;
     let mut last_row = stored_row;
     let mut events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
+    let mut hashes = txn
+        .open_table(chain::EVENT_HASHES)
+        .map_err(StoreError::redb)?;
     let mut pools = txn.open_table(POOLS).map_err(StoreError::redb)?;
     let mut seats = txn.open_table(SEATS).map_err(StoreError::redb)?;
     let mut session_seats = txn.open_table(SESSION_SEATS).map_err(StoreError::redb)?;
@@ -249,13 +253,16 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                         counter: batch.event_seq,
                     });
                 }
+                let bytes = codec::encode(event);
                 let replaced = events
-                    .insert(event.seq, codec::encode(event).as_slice())
+                    .insert(event.seq, bytes.as_slice())
                     .map_err(StoreError::redb)?
                     .is_some();
                 if replaced {
                     return Err(StoreError::EventExists { seq: event.seq });
                 }
+                // Hashed as it is appended, over the very bytes stored.
+                chain::append(&mut hashes, event.seq, &bytes)?;
             }
         }
     }
@@ -301,6 +308,9 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
         }
         for seq in &old {
             events.remove(*seq).map_err(StoreError::redb)?;
+        }
+        if let Some(&last) = old.last() {
+            chain::trim(&mut hashes, last)?;
         }
         committed.events_trimmed = old.len();
     }
