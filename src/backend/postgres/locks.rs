@@ -28,6 +28,10 @@ SELECT (SELECT live FROM me), l.session_id, l.token,
        (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {ns}.revision)
 FROM (SELECT 1) AS one LEFT JOIN {ns}.lock l ON l.key = $1";
 
+/// One attempt in one statement: see `acquire` in the schema's second migration.
+const ACQUIRE: &str =
+    "SELECT answer, granted, revision, held FROM {ns}.acquire($1, $2, $3, $4, $5)";
+
 const HOLDER: &str = "SELECT session_id FROM {ns}.lock WHERE key = $1";
 
 const GRANT: &str = "
@@ -111,7 +115,64 @@ impl Postgres {
 
     /// One attempt. `may_take` false (others wait ahead on this node) still returns the
     /// caller's own grant and still ends an expired holder, but takes no free key.
+    ///
+    /// One round trip: the schema's `acquire` function runs the attempt under the key's
+    /// lock and answers. Only when a session must be ended on the way (the caller or the
+    /// holder is past its deadline) does the attempt run again as a transaction of several
+    /// statements, which ends it with the one end statement and decides afresh under the
+    /// same locks.
     async fn try_acquire(
+        &self,
+        id: SessionId,
+        key: &LockKey,
+        may_take: bool,
+    ) -> Result<Step<Granted, ()>> {
+        let max = self.config().limits.max_locks_per_session as i64;
+        let row = self
+            .query_opt(
+                ACQUIRE,
+                &[&self.class(), &key.as_str(), &id.0, &may_take, &max],
+                false,
+            )
+            .await?
+            .ok_or_else(|| BackendError::Unavailable("the acquire returned nothing".into()))?;
+        let answer: &str = row.get(0);
+        let token = || Token(row.get::<_, Option<i64>>(1).unwrap_or_default() as u64);
+        let revision = || row.get::<_, Option<i64>>(2).unwrap_or_default() as u64;
+        Ok(match answer {
+            "gone" => return Err(BackendError::SessionGone),
+            "expired" | "holder_expired" => {
+                return self.try_acquire_ending(id, key, may_take).await;
+            }
+            "own" => Step::Done(Granted {
+                token: token(),
+                revision: revision(),
+            }),
+            "held" => Step::Busy(()),
+            "behind" => Step::Room(()),
+            "too_many" => {
+                let held = row.get::<_, Option<i64>>(3).unwrap_or_default() as usize;
+                return Err(BackendError::TooManyLocks(held));
+            }
+            "granted" => {
+                self.inner.metrics.locks_acquired.inc();
+                self.inner.metrics.locks_held.inc();
+                Step::Done(Granted {
+                    token: token(),
+                    revision: revision(),
+                })
+            }
+            other => {
+                return Err(BackendError::Unavailable(format!(
+                    "the acquire answered {other:?}, which this build does not know"
+                )));
+            }
+        })
+    }
+
+    /// One attempt that may have to end a session past its deadline (the caller, or the
+    /// key's holder) in its own transaction, so the contender never waits for the reaper.
+    async fn try_acquire_ending(
         &self,
         id: SessionId,
         key: &LockKey,
