@@ -66,9 +66,20 @@ SELECT revision, pg_notify($4, 'lock:' || $1) FROM rev";
 
 const LOCK: &str = "SELECT session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock WHERE key = $1";
 
+/// A page of keys under a prefix. The statement is prepared once, so its plan is generic: a
+/// `LIKE` with a parameter bounds no index scan, and the scan from `after` to the first
+/// `limit` matches would walk every key past the prefix's range when fewer are left (a poll
+/// of an emptied prefix read the whole table). So the range is also given as bounds of the
+/// key's own order, `$4 <= key < $5` (see `prefix_range`); `LIKE` keeps the match exact.
 const LOCKS: &str = "
 SELECT key::text, session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock
-WHERE key LIKE $1 AND key > $2 ORDER BY key LIMIT $3";
+WHERE key LIKE $1 AND key > $2 AND key >= $4 AND key < $5 ORDER BY key LIMIT $3";
+
+/// The same without an upper bound, for a prefix that has none (empty, or only of the
+/// greatest character).
+const LOCKS_UNBOUNDED: &str = "
+SELECT key::text, session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock
+WHERE key LIKE $1 AND key > $2 AND key >= $4 ORDER BY key LIMIT $3";
 
 const FENCE: &str = "
 SELECT l.token, s.expires_at > {ns}.db_now()
@@ -83,6 +94,26 @@ enum Try {
     Behind,
     TooMany(usize),
     Granted(Token),
+}
+
+/// The keys that start with `prefix` are exactly those from `prefix` up to, not including,
+/// the returned bound, when there is one: keys are in byte order (`COLLATE "C"`), which for
+/// UTF-8 is the order of code points, so every key that starts with `prefix` sorts below
+/// `prefix` with its last character that has a successor replaced by that successor (and
+/// what follows it dropped).
+fn prefix_upper_bound(prefix: &str) -> Option<String> {
+    let mut chars: Vec<char> = prefix.chars().collect();
+    while let Some(last) = chars.pop() {
+        let next = match last {
+            '\u{D7FF}' => Some('\u{E000}'),
+            c => char::from_u32(c as u32 + 1),
+        };
+        if let Some(next) = next {
+            chars.push(next);
+            return Some(chars.into_iter().collect());
+        }
+    }
+    None
 }
 
 /// `text` as a LIKE pattern that matches itself literally, followed by anything.
@@ -284,17 +315,19 @@ impl Postgres {
     }
 
     pub async fn locks(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LockPage> {
-        let rows = self
-            .query(
-                LOCKS,
-                &[
-                    &prefix_pattern(prefix),
-                    &after.unwrap_or(""),
-                    &((limit + 1) as i64),
-                ],
-                true,
-            )
-            .await?;
+        let pattern = prefix_pattern(prefix);
+        let after = after.unwrap_or("");
+        let fetch = (limit + 1) as i64;
+        let rows = match prefix_upper_bound(prefix) {
+            Some(upper) => {
+                self.query(LOCKS, &[&pattern, &after, &fetch, &prefix, &upper], true)
+                    .await?
+            }
+            None => {
+                self.query(LOCKS_UNBOUNDED, &[&pattern, &after, &fetch, &prefix], true)
+                    .await?
+            }
+        };
         let mut page: Vec<(String, LockRecord)> = rows
             .iter()
             .map(|r| {
@@ -338,6 +371,28 @@ impl Postgres {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_prefix_range_holds_exactly_the_keys_that_start_with_it() {
+        use super::prefix_upper_bound as upper;
+        assert_eq!(upper(""), None);
+        assert_eq!(upper("mass-expiry/1/").as_deref(), Some("mass-expiry/10"));
+        assert_eq!(upper("a\u{10FFFF}").as_deref(), Some("b"));
+        assert_eq!(upper("\u{10FFFF}\u{10FFFF}"), None);
+        assert_eq!(upper("x\u{D7FF}").as_deref(), Some("x\u{E000}"));
+        // In byte order, as the lock table's "C" collation compares.
+        let keys = [
+            "mass-expiry/1/", "mass-expiry/1/0", "mass-expiry/1/\u{10FFFF}", "mass-expiry/10",
+            "mass-expiry/1", "mass-expiry/0/z", "x\u{D7FF}", "x\u{D7FF}\u{10FFFF}", "x\u{E000}",
+        ];
+        for prefix in ["mass-expiry/1/", "mass-expiry/1", "x\u{D7FF}", "a\u{10FFFF}"] {
+            let bound = upper(prefix).unwrap();
+            for key in keys {
+                let inside = key.as_bytes() >= prefix.as_bytes() && key.as_bytes() < bound.as_bytes();
+                assert_eq!(inside, key.starts_with(prefix), "{prefix:?} {key:?}");
+            }
+        }
+    }
+
     #[test]
     fn like_patterns_escape_wildcards() {
         assert_eq!(super::prefix_pattern("a_b%c\\"), "a\\_b\\%c\\\\%");
