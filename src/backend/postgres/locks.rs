@@ -46,8 +46,8 @@ e AS (
 )
 SELECT token FROM g";
 
-/// Releases key $1 if the live session $2 holds it with token $3, in one statement that
-/// also announces the free key.
+/// Releases key $1 if the live session $2 holds it with token $3, in one statement. The free
+/// key is announced to other nodes after the commit (see `Postgres::announce`).
 const RELEASE: &str = "
 WITH me AS MATERIALIZED (
     SELECT id FROM {ns}.session WHERE id = $2 AND expires_at > {ns}.db_now() FOR KEY SHARE
@@ -62,7 +62,7 @@ e AS (
     INSERT INTO {ns}.event (kind, session_id, key, token)
     SELECT 'lock_released', $2, $1, $3 FROM rev
 )
-SELECT revision, pg_notify($4, 'lock:' || $1) FROM rev";
+SELECT revision FROM rev";
 
 const LOCK: &str = "SELECT session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock WHERE key = $1";
 
@@ -282,17 +282,15 @@ impl Postgres {
 
     pub async fn release(&self, id: SessionId, key: LockKey, token: Token) -> Result<u64> {
         let rows = self
-            .query(
-                RELEASE,
-                &[&key.as_str(), &id.0, &(token.0 as i64), &self.channel()],
-                false,
-            )
+            .query(RELEASE, &[&key.as_str(), &id.0, &(token.0 as i64)], false)
             .await?;
         match rows.first() {
             Some(row) => {
                 self.inner.metrics.locks_released.inc();
                 self.inner.metrics.locks_held.dec();
-                self.waiting().wake(&Resource::Lock(key));
+                let freed = Resource::Lock(key);
+                self.announce(std::slice::from_ref(&freed), false);
+                self.waiting().wake(&freed);
                 Ok(row.get::<_, i64>(0) as u64)
             }
             None => {
@@ -381,13 +379,26 @@ mod tests {
         assert_eq!(upper("x\u{D7FF}").as_deref(), Some("x\u{E000}"));
         // In byte order, as the lock table's "C" collation compares.
         let keys = [
-            "mass-expiry/1/", "mass-expiry/1/0", "mass-expiry/1/\u{10FFFF}", "mass-expiry/10",
-            "mass-expiry/1", "mass-expiry/0/z", "x\u{D7FF}", "x\u{D7FF}\u{10FFFF}", "x\u{E000}",
+            "mass-expiry/1/",
+            "mass-expiry/1/0",
+            "mass-expiry/1/\u{10FFFF}",
+            "mass-expiry/10",
+            "mass-expiry/1",
+            "mass-expiry/0/z",
+            "x\u{D7FF}",
+            "x\u{D7FF}\u{10FFFF}",
+            "x\u{E000}",
         ];
-        for prefix in ["mass-expiry/1/", "mass-expiry/1", "x\u{D7FF}", "a\u{10FFFF}"] {
+        for prefix in [
+            "mass-expiry/1/",
+            "mass-expiry/1",
+            "x\u{D7FF}",
+            "a\u{10FFFF}",
+        ] {
             let bound = upper(prefix).unwrap();
             for key in keys {
-                let inside = key.as_bytes() >= prefix.as_bytes() && key.as_bytes() < bound.as_bytes();
+                let inside =
+                    key.as_bytes() >= prefix.as_bytes() && key.as_bytes() < bound.as_bytes();
                 assert_eq!(inside, key.starts_with(prefix), "{prefix:?} {key:?}");
             }
         }

@@ -1208,3 +1208,65 @@ async fn a_reaper_pass_numbers_the_backlog_before_its_own_events() {
     h.assert_consistent().await;
     h.stop();
 }
+
+/// Where a reaper pass's time goes: `cargo test --lib reaper_pass_profile -- --ignored
+/// --nocapture` (the database does the work, so any build profile will do) prints `EXPLAIN (ANALYZE, BUFFERS)` of one pass's end statement over
+/// 10 000 of 100 000 expired sessions with a lock each (rolled back), beside the same for a
+/// batched cascading `DELETE` of 10 000 rows of the raw `lock_session`/`lock_entry` design of
+/// `benches/compare` (one foreign key), filled alike.
+#[tokio::test]
+#[ignore = "a profile, printed; asserts nothing about time"]
+async fn reaper_pass_profile() {
+    const N: i64 = 100_000;
+    let h = Harness::start().await;
+    expired_sessions_with_locks(&h, N).await;
+    let explain = |sql: String| async move {
+        let c = connect().await;
+        c.batch_execute("BEGIN; SET LOCAL jit = off").await.unwrap();
+        let rows = c
+            .query(&format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"), &[])
+            .await
+            .unwrap();
+        c.batch_execute("ROLLBACK").await.unwrap();
+        rows.iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let pass = super::sessions::END_DUE
+        .replace("{ns}", &format!("\"{}\"", h.schema.0))
+        .replace("$1", "10000");
+    println!(
+        "== one reaper pass, 10 000 of {N}:\n{}",
+        explain(pass).await
+    );
+    let raw = format!("{}_raw", h.schema.0);
+    let _dropped = Schema(raw.clone());
+    h.admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA {raw};
+             CREATE TABLE {raw}.lock_session (session_id uuid PRIMARY KEY, owner_id text NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL);
+             CREATE TABLE {raw}.lock_entry (lock_key text PRIMARY KEY,
+                 session_id uuid NOT NULL REFERENCES {raw}.lock_session ON DELETE CASCADE,
+                 token bigint NOT NULL, acquired_at timestamptz NOT NULL DEFAULT now());
+             CREATE INDEX ON {raw}.lock_entry (session_id);
+             CREATE INDEX ON {raw}.lock_session (expires_at);
+             INSERT INTO {raw}.lock_session (session_id, owner_id, expires_at)
+             SELECT gen_random_uuid(), 'bulk', now() - interval '1 second' FROM generate_series(1, {N});
+             INSERT INTO {raw}.lock_entry (lock_key, session_id, token)
+             SELECT 'bulk/' || session_id, session_id, 1 FROM {raw}.lock_session;
+             ANALYZE {raw}.lock_session, {raw}.lock_entry;"
+        ))
+        .await
+        .unwrap();
+    let delete = format!(
+        "DELETE FROM {raw}.lock_session WHERE session_id IN (SELECT session_id FROM
+         {raw}.lock_session WHERE expires_at < now() LIMIT 10000)"
+    );
+    println!(
+        "== the raw batched cascading DELETE, 10 000 of {N}:\n{}",
+        explain(delete).await
+    );
+    h.stop();
+}
