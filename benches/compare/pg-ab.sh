@@ -9,8 +9,11 @@
 #   benches/compare/pg-ab.sh OLD_BINARY NEW_BINARY
 #
 # CLIENTS (64), SECONDS_PER_RUN (10), MASS_SESSIONS (100000), MASS_CLIENTS (8) and
-# MASS_TTL_MS (3000) size the runs, as in run.sh; PG and PG_URL name the database. Not part of
-# CI: a run takes several minutes.
+# MASS_TTL_MS (3000) size the runs, as in run.sh; PG and PG_URL name the database; WORKLOADS
+# (default "lock-churn heartbeat mass-expiry") picks some. POOL_SIZE (default: CLIENTS) is
+# the servers' `--postgres-pool-size`: the raw tables get one connection per client, and with
+# `synchronous_commit = on` throughput is the commits in flight over the time of a WAL flush,
+# so a pool smaller than the clients measures the pool. Not part of CI: a run takes minutes.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 old="$(realpath "$1")"
@@ -22,6 +25,8 @@ mass_clients="${MASS_CLIENTS:-8}"
 mass_ttl_ms="${MASS_TTL_MS:-3000}"
 pg="${PG:-host=127.0.0.1 user=postgres dbname=test}"
 pg_url="${PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
+pool_size="${POOL_SIZE:-$clients}"
+workloads="${WORKLOADS:-lock-churn heartbeat mass-expiry}"
 port=7896
 ns=bench_pg_ab
 work="$(mktemp -d)"
@@ -34,7 +39,8 @@ compare="$here/target/release/leasehold-compare"
 start() {
     psql "$pg_url" -qc "DROP SCHEMA IF EXISTS $ns CASCADE" >/dev/null 2>&1
     "$1" serve --backend postgres --postgres-url "$pg_url" --namespace "$ns" \
-        --listen "127.0.0.1:$port" --log-level warn >"$work/server.log" 2>&1 &
+        --postgres-pool-size "$pool_size" --listen "127.0.0.1:$port" --log-level warn \
+        >"$work/server.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 100); do
         curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
@@ -59,7 +65,7 @@ args() {
     esac
 }
 
-for workload in lock-churn heartbeat mass-expiry; do
+for workload in $workloads; do
     echo "== $workload: raw PostgreSQL tables" >&2
     # shellcheck disable=SC2046
     "$compare" "postgres=$pg" "$workload" $(args "$workload") | label "PostgreSQL" "-"

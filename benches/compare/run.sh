@@ -37,8 +37,10 @@ redis-server --port 6391 --bind 127.0.0.1 --dir "$work/redis-default" --daemoniz
     --logfile "$work/redis-default.log"
 pg_url="${PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
 psql "$pg_url" -qc "DROP SCHEMA IF EXISTS bench_compare CASCADE" >/dev/null
+# As many connections as the raw tables' driver opens (one per client): under synchronous
+# commit throughput is the commits in flight over a WAL flush's time.
 "$root/target/release/leasehold" serve --backend postgres --postgres-url "$pg_url" \
-    --namespace bench_compare --listen 127.0.0.1:7892 --log-level warn \
+    --namespace bench_compare --postgres-pool-size "$clients" --listen 127.0.0.1:7892 --log-level warn \
     >"$work/leasehold-pg.log" 2>&1 &
 for _ in $(seq 1 100); do
     curl -fsS http://127.0.0.1:7892/readyz >/dev/null 2>&1 && curl -fsS http://127.0.0.1:7890/readyz >/dev/null 2>&1 && break
