@@ -70,8 +70,10 @@ target_leasehold() {
 
 target_leasehold_pg() {
     psql "$pg_url" -qc "DROP SCHEMA IF EXISTS bench_compare CASCADE" >/dev/null
+    # As many connections as the raw tables' driver opens (one per client): under synchronous
+    # commit throughput is the commits in flight over a WAL flush's time.
     $server_cpu "$root/target/release/leasehold" serve --backend postgres --postgres-url "$pg_url" \
-        --namespace bench_compare --listen 127.0.0.1:7892 --log-level warn \
+        --namespace bench_compare --postgres-pool-size "$clients" --listen 127.0.0.1:7892 --log-level warn \
         >"$work/leasehold-pg.log" 2>&1 &
     server_pid=$!
     pids+=("$server_pid")

@@ -20,7 +20,7 @@ j AS (
     VALUES ($1, $2, $3, $4::text::json, $5, $6, nextval('{ns}.job_tail'), 'queued')
 ),
 e AS (INSERT INTO {ns}.event (kind, job_id, queue) VALUES ('job_enqueued', $1, $2))
-SELECT revision, pg_notify($7, 'queue:' || $2) FROM r";
+SELECT revision FROM r";
 
 const LIVE_SHARE: &str =
     "SELECT expires_at > {ns}.db_now() FROM {ns}.session WHERE id = $1 FOR KEY SHARE";
@@ -162,14 +162,15 @@ impl Postgres {
                     &job.payload,
                     &job.idempotent,
                     &(max_recoveries as i32),
-                    &self.channel(),
                 ],
                 false,
             )
             .await?
             .ok_or_else(|| BackendError::Unavailable("the enqueue returned nothing".into()))?;
         self.gauge_queue(job.queue.as_str(), "queued", 1);
-        self.waiting().wake(&Resource::Queue(job.queue));
+        let freed = Resource::Queue(job.queue);
+        self.announce(std::slice::from_ref(&freed), false);
+        self.waiting().wake(&freed);
         Ok((id, row.get::<_, i64>(0) as u64))
     }
 

@@ -28,6 +28,10 @@ SELECT (SELECT live FROM me), l.session_id, l.token,
        (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {ns}.revision)
 FROM (SELECT 1) AS one LEFT JOIN {ns}.lock l ON l.key = $1";
 
+/// One attempt in one statement: see `acquire` in the schema's second migration.
+const ACQUIRE: &str =
+    "SELECT answer, granted, revision, held FROM {ns}.acquire($1, $2, $3, $4, $5)";
+
 const HOLDER: &str = "SELECT session_id FROM {ns}.lock WHERE key = $1";
 
 const GRANT: &str = "
@@ -42,8 +46,8 @@ e AS (
 )
 SELECT token FROM g";
 
-/// Releases key $1 if the live session $2 holds it with token $3, in one statement that
-/// also announces the free key.
+/// Releases key $1 if the live session $2 holds it with token $3, in one statement. The free
+/// key is announced to other nodes after the commit (see `Postgres::announce`).
 const RELEASE: &str = "
 WITH me AS MATERIALIZED (
     SELECT id FROM {ns}.session WHERE id = $2 AND expires_at > {ns}.db_now() FOR KEY SHARE
@@ -58,13 +62,24 @@ e AS (
     INSERT INTO {ns}.event (kind, session_id, key, token)
     SELECT 'lock_released', $2, $1, $3 FROM rev
 )
-SELECT revision, pg_notify($4, 'lock:' || $1) FROM rev";
+SELECT revision FROM rev";
 
 const LOCK: &str = "SELECT session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock WHERE key = $1";
 
+/// A page of keys under a prefix. The statement is prepared once, so its plan is generic: a
+/// `LIKE` with a parameter bounds no index scan, and the scan from `after` to the first
+/// `limit` matches would walk every key past the prefix's range when fewer are left (a poll
+/// of an emptied prefix read the whole table). So the range is also given as bounds of the
+/// key's own order, `$4 <= key < $5` (see `prefix_range`); `LIKE` keeps the match exact.
 const LOCKS: &str = "
 SELECT key::text, session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock
-WHERE key LIKE $1 AND key > $2 ORDER BY key LIMIT $3";
+WHERE key LIKE $1 AND key > $2 AND key >= $4 AND key < $5 ORDER BY key LIMIT $3";
+
+/// The same without an upper bound, for a prefix that has none (empty, or only of the
+/// greatest character).
+const LOCKS_UNBOUNDED: &str = "
+SELECT key::text, session_id, token, {ns}.ms(acquired_at) FROM {ns}.lock
+WHERE key LIKE $1 AND key > $2 AND key >= $4 ORDER BY key LIMIT $3";
 
 const FENCE: &str = "
 SELECT l.token, s.expires_at > {ns}.db_now()
@@ -79,6 +94,26 @@ enum Try {
     Behind,
     TooMany(usize),
     Granted(Token),
+}
+
+/// The keys that start with `prefix` are exactly those from `prefix` up to, not including,
+/// the returned bound, when there is one: keys are in byte order (`COLLATE "C"`), which for
+/// UTF-8 is the order of code points, so every key that starts with `prefix` sorts below
+/// `prefix` with its last character that has a successor replaced by that successor (and
+/// what follows it dropped).
+fn prefix_upper_bound(prefix: &str) -> Option<String> {
+    let mut chars: Vec<char> = prefix.chars().collect();
+    while let Some(last) = chars.pop() {
+        let next = match last {
+            '\u{D7FF}' => Some('\u{E000}'),
+            c => char::from_u32(c as u32 + 1),
+        };
+        if let Some(next) = next {
+            chars.push(next);
+            return Some(chars.into_iter().collect());
+        }
+    }
+    None
 }
 
 /// `text` as a LIKE pattern that matches itself literally, followed by anything.
@@ -111,7 +146,64 @@ impl Postgres {
 
     /// One attempt. `may_take` false (others wait ahead on this node) still returns the
     /// caller's own grant and still ends an expired holder, but takes no free key.
+    ///
+    /// One round trip: the schema's `acquire` function runs the attempt under the key's
+    /// lock and answers. Only when a session must be ended on the way (the caller or the
+    /// holder is past its deadline) does the attempt run again as a transaction of several
+    /// statements, which ends it with the one end statement and decides afresh under the
+    /// same locks.
     async fn try_acquire(
+        &self,
+        id: SessionId,
+        key: &LockKey,
+        may_take: bool,
+    ) -> Result<Step<Granted, ()>> {
+        let max = self.config().limits.max_locks_per_session as i64;
+        let row = self
+            .query_opt(
+                ACQUIRE,
+                &[&self.class(), &key.as_str(), &id.0, &may_take, &max],
+                false,
+            )
+            .await?
+            .ok_or_else(|| BackendError::Unavailable("the acquire returned nothing".into()))?;
+        let answer: &str = row.get(0);
+        let token = || Token(row.get::<_, Option<i64>>(1).unwrap_or_default() as u64);
+        let revision = || row.get::<_, Option<i64>>(2).unwrap_or_default() as u64;
+        Ok(match answer {
+            "gone" => return Err(BackendError::SessionGone),
+            "expired" | "holder_expired" => {
+                return self.try_acquire_ending(id, key, may_take).await;
+            }
+            "own" => Step::Done(Granted {
+                token: token(),
+                revision: revision(),
+            }),
+            "held" => Step::Busy(()),
+            "behind" => Step::Room(()),
+            "too_many" => {
+                let held = row.get::<_, Option<i64>>(3).unwrap_or_default() as usize;
+                return Err(BackendError::TooManyLocks(held));
+            }
+            "granted" => {
+                self.inner.metrics.locks_acquired.inc();
+                self.inner.metrics.locks_held.inc();
+                Step::Done(Granted {
+                    token: token(),
+                    revision: revision(),
+                })
+            }
+            other => {
+                return Err(BackendError::Unavailable(format!(
+                    "the acquire answered {other:?}, which this build does not know"
+                )));
+            }
+        })
+    }
+
+    /// One attempt that may have to end a session past its deadline (the caller, or the
+    /// key's holder) in its own transaction, so the contender never waits for the reaper.
+    async fn try_acquire_ending(
         &self,
         id: SessionId,
         key: &LockKey,
@@ -190,17 +282,15 @@ impl Postgres {
 
     pub async fn release(&self, id: SessionId, key: LockKey, token: Token) -> Result<u64> {
         let rows = self
-            .query(
-                RELEASE,
-                &[&key.as_str(), &id.0, &(token.0 as i64), &self.channel()],
-                false,
-            )
+            .query(RELEASE, &[&key.as_str(), &id.0, &(token.0 as i64)], false)
             .await?;
         match rows.first() {
             Some(row) => {
                 self.inner.metrics.locks_released.inc();
                 self.inner.metrics.locks_held.dec();
-                self.waiting().wake(&Resource::Lock(key));
+                let freed = Resource::Lock(key);
+                self.announce(std::slice::from_ref(&freed), false);
+                self.waiting().wake(&freed);
                 Ok(row.get::<_, i64>(0) as u64)
             }
             None => {
@@ -223,17 +313,19 @@ impl Postgres {
     }
 
     pub async fn locks(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LockPage> {
-        let rows = self
-            .query(
-                LOCKS,
-                &[
-                    &prefix_pattern(prefix),
-                    &after.unwrap_or(""),
-                    &((limit + 1) as i64),
-                ],
-                true,
-            )
-            .await?;
+        let pattern = prefix_pattern(prefix);
+        let after = after.unwrap_or("");
+        let fetch = (limit + 1) as i64;
+        let rows = match prefix_upper_bound(prefix) {
+            Some(upper) => {
+                self.query(LOCKS, &[&pattern, &after, &fetch, &prefix, &upper], true)
+                    .await?
+            }
+            None => {
+                self.query(LOCKS_UNBOUNDED, &[&pattern, &after, &fetch, &prefix], true)
+                    .await?
+            }
+        };
         let mut page: Vec<(String, LockRecord)> = rows
             .iter()
             .map(|r| {
@@ -277,6 +369,41 @@ impl Postgres {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_prefix_range_holds_exactly_the_keys_that_start_with_it() {
+        use super::prefix_upper_bound as upper;
+        assert_eq!(upper(""), None);
+        assert_eq!(upper("mass-expiry/1/").as_deref(), Some("mass-expiry/10"));
+        assert_eq!(upper("a\u{10FFFF}").as_deref(), Some("b"));
+        assert_eq!(upper("\u{10FFFF}\u{10FFFF}"), None);
+        assert_eq!(upper("x\u{D7FF}").as_deref(), Some("x\u{E000}"));
+        // In byte order, as the lock table's "C" collation compares.
+        let keys = [
+            "mass-expiry/1/",
+            "mass-expiry/1/0",
+            "mass-expiry/1/\u{10FFFF}",
+            "mass-expiry/10",
+            "mass-expiry/1",
+            "mass-expiry/0/z",
+            "x\u{D7FF}",
+            "x\u{D7FF}\u{10FFFF}",
+            "x\u{E000}",
+        ];
+        for prefix in [
+            "mass-expiry/1/",
+            "mass-expiry/1",
+            "x\u{D7FF}",
+            "a\u{10FFFF}",
+        ] {
+            let bound = upper(prefix).unwrap();
+            for key in keys {
+                let inside =
+                    key.as_bytes() >= prefix.as_bytes() && key.as_bytes() < bound.as_bytes();
+                assert_eq!(inside, key.starts_with(prefix), "{prefix:?} {key:?}");
+            }
+        }
+    }
+
     #[test]
     fn like_patterns_escape_wildcards() {
         assert_eq!(super::prefix_pattern("a_b%c\\"), "a\\_b\\%c\\\\%");

@@ -29,9 +29,14 @@
 //! - **Audit order.** Events are inserted unnumbered; `number_events` (serialised by an
 //!   advisory lock) gives committed events their sequence numbers, so a reader following
 //!   the cursor never skips an event that commits late. See `events`.
-//! - **Waking waiters.** Every transaction that frees a key or a seat or makes a job
-//!   claimable sends `pg_notify('{namespace}_free', 'lock:KEY' | 'pool:NAME' | 'queue:NAME')`
-//!   (or `*` when it freed many); each node listens and wakes its own waiters.
+//! - **Waking waiters.** After every commit that frees a key or a seat or makes a job
+//!   claimable, the node sends `pg_notify('{namespace}_free', 'lock:KEY' | 'pool:NAME' |
+//!   'queue:NAME')` (or `*` when it freed many); each node listens and wakes its own waiters.
+//!   Not inside the transaction that frees: a transaction that notifies holds one lock of the
+//!   whole database from its notification to the end of its commit, its WAL flush included,
+//!   so notifying writes commit one at a time and a release costs a flush of its own. They
+//!   are sent from the node's `LISTEN` connection, all that have gathered in one statement
+//!   (see `notify`); one lost in a crash only delays a waiter to its next re-check.
 
 mod errors;
 mod events;
@@ -119,7 +124,7 @@ pub enum StartError {
     Pool(String),
 }
 
-/// The most notifications one transaction sends one by one; past it, one `*` wakes every
+/// The most notifications one statement sends one by one; past it, one `*` wakes every
 /// waiter of every node instead (a mass expiry frees thousands of keys at once).
 const NOTIFY_EACH_MAX: usize = 64;
 /// How often the head of a line asks again when no notification came.
@@ -156,6 +161,16 @@ pub(crate) struct Inner {
     gauge_queues: Mutex<Vec<String>>,
     /// Sessions were ended in numbers too large to move the gauges one by one.
     gauges_stale: AtomicBool,
+    /// Notifications committed here and not yet sent, and the signal that some wait.
+    outbox: Mutex<Outbox>,
+    outbox_ready: tokio::sync::Notify,
+}
+
+/// What this node freed since notifications were last sent: names, or everything.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    payloads: std::collections::BTreeSet<String>,
+    everything: bool,
 }
 
 /// The PostgreSQL backend's handle. Cheap to clone.
@@ -226,7 +241,6 @@ macro_rules! transact {
                 #[allow(unused_mut)]
                 let mut $tx = client.transaction().await?;
                 let value = $body;
-                pg.send_notifications(&$tx, &$after).await?;
                 $tx.commit().await?;
                 Ok(value)
             }
@@ -307,6 +321,8 @@ impl Postgres {
                 gauge_pools: Mutex::new(Vec::new()),
                 gauge_queues: Mutex::new(Vec::new()),
                 gauges_stale: AtomicBool::new(false),
+                outbox: Mutex::new(Outbox::default()),
+                outbox_ready: tokio::sync::Notify::new(),
             }),
         };
         match pg.bootstrap().await {
@@ -490,33 +506,45 @@ impl Postgres {
             .next())
     }
 
-    /// Sends, inside the transaction, the notifications for what it freed; they are
-    /// delivered when it commits.
-    pub(crate) async fn send_notifications(
-        &self,
-        tx: &deadpool_postgres::Transaction<'_>,
-        after: &After,
-    ) -> std::result::Result<(), PgError> {
-        if after.freed.is_empty() && !after.everything {
-            return Ok(());
+    /// After a commit: queues the notifications that tell other nodes what it freed
+    /// (`everything`: too much to name). The `LISTEN` task sends them.
+    pub(crate) fn announce(&self, freed: &[Resource], everything: bool) {
+        if freed.is_empty() && !everything {
+            return;
         }
-        let mut payloads: Vec<String> = after.freed.iter().map(Resource::to_payload).collect();
-        payloads.sort();
-        payloads.dedup();
-        if payloads.len() > NOTIFY_EACH_MAX || after.everything {
-            payloads = vec!["*".into()];
+        {
+            let mut outbox = self.inner.outbox.lock();
+            outbox.everything |= everything;
+            if !outbox.everything {
+                outbox
+                    .payloads
+                    .extend(freed.iter().map(Resource::to_payload));
+            }
+            if outbox.payloads.len() > NOTIFY_EACH_MAX {
+                outbox.everything = true;
+            }
+            if outbox.everything {
+                outbox.payloads.clear();
+            }
         }
-        let st = tx
-            .prepare_cached("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
-            .await?;
-        tx.execute(&st, &[&self.inner.channel, &payloads]).await?;
-        Ok(())
+        self.inner.outbox_ready.notify_one();
     }
 
-    /// After a commit: wake this node's waiters of what was freed (the notification wakes
-    /// other nodes'), count the sessions ended.
+    /// The notifications gathered since the last call, as payloads: by name, or one `*`.
+    pub(crate) fn take_outbox(&self) -> Vec<String> {
+        let outbox = std::mem::take(&mut *self.inner.outbox.lock());
+        if outbox.everything {
+            vec!["*".into()]
+        } else {
+            outbox.payloads.into_iter().collect()
+        }
+    }
+
+    /// After a commit: announce what was freed to other nodes, wake this node's waiters of
+    /// it, count the sessions ended.
     pub(crate) fn committed(&self, after: After) {
         self.inner.db_ok.store(true, Ordering::SeqCst);
+        self.announce(&after.freed, after.everything);
         if after.everything {
             self.inner.waiting.wake_all();
         }

@@ -2,6 +2,12 @@
 //! node's waiters. After every (re)connect every line's head asks again, since what was
 //! sent while the connection was down is lost; the waiters' periodic re-check covers any
 //! other loss.
+//!
+//! The same connection sends this node's notifications, after the commits that freed what
+//! they name (`Postgres::announce`): whatever has gathered goes in one statement, so under
+//! load many releases share one, and no writing transaction holds the database's
+//! notification lock through its commit. A statement that fails loses what it carried,
+//! which delays other nodes' waiters to their next re-check, never strands them.
 
 use std::time::Duration;
 
@@ -11,6 +17,9 @@ use tokio_postgres::{AsyncMessage, NoTls};
 use super::Postgres;
 use crate::backend::waiting::Resource;
 
+/// Sends every payload of $2 on channel $1.
+const SEND: &str = "SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p";
+
 pub(super) async fn listen(pg: Postgres) {
     let mut stop = pg.inner.stop.subscribe();
     let mut backoff = Duration::from_millis(100);
@@ -19,8 +28,24 @@ pub(super) async fn listen(pg: Postgres) {
             Ok((client, mut rx)) => {
                 backoff = Duration::from_millis(100);
                 pg.waiting().wake_all();
-                loop {
+                let send = client.prepare(SEND).await;
+                if let Err(e) = &send {
+                    tracing::debug!(error = %e, "cannot prepare the notification statement");
+                }
+                while let Ok(send) = &send {
                     tokio::select! {
+                        _ = pg.inner.outbox_ready.notified() => {
+                            let payloads = pg.take_outbox();
+                            if payloads.is_empty() {
+                                continue;
+                            }
+                            if let Err(e) = client.execute(send, &[&pg.channel(), &payloads]).await {
+                                tracing::debug!(error = %e, "cannot send notifications");
+                                if e.is_closed() {
+                                    break;
+                                }
+                            }
+                        }
                         payload = rx.recv() => match payload {
                             Some(p) if p == "*" => pg.waiting().wake_all(),
                             Some(p) => match Resource::from_payload(&p) {

@@ -83,7 +83,7 @@ e AS (
     INSERT INTO {ns}.event (kind, session_id, pool, token)
     SELECT 'seat_released', $2, $1, $3 FROM rev
 )
-SELECT revision, pg_notify($4, 'pool:' || $1) FROM rev";
+SELECT revision FROM rev";
 
 const POOL_EXISTS: &str = "SELECT 1 FROM {ns}.pool WHERE name = $1";
 
@@ -326,13 +326,15 @@ impl Postgres {
         let rows = self
             .query(
                 RELEASE_SEAT,
-                &[&pool.as_str(), &id.0, &(token.0 as i64), &self.channel()],
+                &[&pool.as_str(), &id.0, &(token.0 as i64)],
                 false,
             )
             .await?;
         if let Some(row) = rows.first() {
             self.gauge_seats(pool.as_str(), -1);
-            self.waiting().wake(&Resource::Pool(pool));
+            let freed = Resource::Pool(pool);
+            self.announce(std::slice::from_ref(&freed), false);
+            self.waiting().wake(&freed);
             return Ok(row.get::<_, i64>(0) as u64);
         }
         if self

@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::schema::LOCK_REAP;
+use super::schema::{LOCK_EVENTS, LOCK_REAP};
 use super::sessions::END_DUE;
 use super::{Postgres, transact};
 use crate::backend::{DueSession, ReapOutcome, Result};
@@ -133,6 +133,9 @@ impl Postgres {
                     .is_some_and(|r| r.get::<_, bool>(0))
             };
             if locked {
+                // The pass numbers its own events (see `END_DUE`): the numbering lock is held
+                // from before its statement's snapshot to its commit.
+                self.q(&tx, LOCK, &[&self.class(), &LOCK_EVENTS]).await?;
                 Some(self.end_in(&tx, &mut after, &END_DUE, &[&batch]).await?)
             } else {
                 None

@@ -11,11 +11,11 @@ use tokio_postgres::GenericClient;
 use super::errors::PgError;
 
 /// The newest schema version this build knows.
-pub const VERSION: i32 = 1;
+pub const VERSION: i32 = 2;
 
 /// Migration `n` is `MIGRATIONS[n - 1]`. Only ever append: a released migration never
 /// changes, since nodes that applied it will not apply it again.
-const MIGRATIONS: &[&str] = &[MIGRATION_1];
+const MIGRATIONS: &[&str] = &[MIGRATION_1, MIGRATION_2];
 
 /// `{ns}` stands for the quoted schema name.
 const MIGRATION_1: &str = r#"
@@ -176,6 +176,118 @@ BEGIN
 END $$;
 "#;
 
+/// Version 2: the lock acquire as one call, numbering that no longer scans the whole audit
+/// log, and a cheaper guard on jobs' claiming sessions.
+const MIGRATION_2: &str = r#"
+-- A job's claiming session is settled by the end statement before the session row goes; the
+-- reference only refuses a delete that did not. NO ACTION checked, per deleted session, that
+-- no other row with its key had appeared before looking for referencing jobs; RESTRICT makes
+-- the same refusal without that probe, and no session id is ever reused. NOT VALID then
+-- VALIDATE: the check of existing rows takes no lock that blocks writers.
+ALTER TABLE {ns}.job DROP CONSTRAINT job_claim_session_fkey;
+ALTER TABLE {ns}.job ADD CONSTRAINT job_claim_session_fkey
+    FOREIGN KEY (claim_session) REFERENCES {ns}.session ON DELETE RESTRICT NOT VALID;
+ALTER TABLE {ns}.job VALIDATE CONSTRAINT job_claim_session_fkey;
+
+-- Numbering, as before, with each batch's rows updated by their addresses. The first version
+-- joined the batch to the event table by id, which has no index of its own but the partial
+-- one of unnumbered events, so every batch scanned the whole audit log: numbering grew with
+-- the log's length, not with the batch. The rows cannot move while this runs: nobody else
+-- numbers (the lock), and only numbered events are ever deleted.
+CREATE OR REPLACE FUNCTION {ns}.number_events(lock_class integer, wait boolean, batch integer)
+    RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    base bigint;
+    n bigint;
+    total bigint := 0;
+BEGIN
+    IF wait THEN
+        PERFORM pg_advisory_xact_lock(lock_class, 3);
+    ELSIF NOT pg_try_advisory_xact_lock(lock_class, 3) THEN
+        RETURN -1;
+    END IF;
+    LOOP
+        SELECT last INTO base FROM {ns}.event_counter;
+        UPDATE {ns}.event e SET seq = base + o.rn
+        FROM (SELECT ctid AS at, row_number() OVER (ORDER BY id) AS rn
+              FROM {ns}.event WHERE seq IS NULL ORDER BY id LIMIT batch) o
+        WHERE e.ctid = o.at;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        UPDATE {ns}.event_counter SET last = base + n WHERE n > 0;
+        total := total + n;
+        EXIT WHEN n < batch;
+    END LOOP;
+    RETURN total;
+END $$;
+
+-- One attempt to acquire key `k` for session `sid`, as one statement: the statements the
+-- node used to send one by one in a transaction, run here in the same order under the same
+-- locks. The key's advisory lock is taken first and held to the end of the caller's
+-- transaction, and the token is drawn from the revision sequence only once it is held (see
+-- the token order rule of the backend). The caller's row is locked FOR NO KEY UPDATE, so
+-- two acquires of one session cannot both pass the per-session limit.
+--
+-- `answer` is one of: gone (no such session), expired (the caller is past its deadline),
+-- own (it already holds the key: its token), held (a live holder), holder_expired (the
+-- holder is past its deadline), behind (free, but `may_take` is false), too_many (`held`
+-- locks already), granted (the new token). Nothing is written unless it is granted; on
+-- expired and holder_expired the node ends the session in a transaction of its own and
+-- asks again, so ending stays in the one end statement.
+CREATE FUNCTION {ns}.acquire(lock_class integer, k text, sid uuid, may_take boolean,
+                             max_locks bigint,
+                             OUT answer text, OUT granted bigint, OUT revision bigint,
+                             OUT held bigint)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    me_live boolean;
+    holder uuid;
+    holder_token bigint;
+    holder_live boolean;
+BEGIN
+    PERFORM pg_advisory_xact_lock(lock_class, hashtext(k));
+    SELECT s.expires_at > {ns}.db_now() INTO me_live
+    FROM {ns}.session s WHERE s.id = sid FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        answer := 'gone';
+        RETURN;
+    END IF;
+    IF NOT me_live THEN
+        answer := 'expired';
+        RETURN;
+    END IF;
+    SELECT l.session_id, l.token INTO holder, holder_token FROM {ns}.lock l WHERE l.key = k;
+    IF FOUND THEN
+        IF holder = sid THEN
+            answer := 'own';
+            granted := holder_token;
+            SELECT CASE WHEN r.is_called THEN r.last_value ELSE 0 END INTO revision
+            FROM {ns}.revision r;
+            RETURN;
+        END IF;
+        SELECT h.expires_at > {ns}.db_now() INTO holder_live
+        FROM {ns}.session h WHERE h.id = holder;
+        answer := CASE WHEN holder_live THEN 'held' ELSE 'holder_expired' END;
+        RETURN;
+    END IF;
+    IF NOT may_take THEN
+        answer := 'behind';
+        RETURN;
+    END IF;
+    SELECT count(*) INTO held FROM {ns}.lock l WHERE l.session_id = sid;
+    IF held >= max_locks THEN
+        answer := 'too_many';
+        RETURN;
+    END IF;
+    INSERT INTO {ns}.lock (key, session_id, token)
+    VALUES (k, sid, nextval('{ns}.revision'))
+    RETURNING token INTO granted;
+    INSERT INTO {ns}.event (kind, session_id, key, token)
+    VALUES ('lock_acquired', sid, k, granted);
+    answer := 'granted';
+    revision := granted;
+END $$;
+"#;
+
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
     #[error(
@@ -214,6 +326,16 @@ pub async fn migrate(
     client: &mut tokio_postgres::Client,
     namespace: &str,
 ) -> Result<i32, MigrateError> {
+    migrate_to(client, namespace, VERSION).await
+}
+
+/// Brings the schema to `target` (at most [`VERSION`]); the tests use it to build a schema
+/// as an older release left it.
+pub(crate) async fn migrate_to(
+    client: &mut tokio_postgres::Client,
+    namespace: &str,
+    target: i32,
+) -> Result<i32, MigrateError> {
     let ns = quoted(namespace);
     let tx = client.transaction().await.map_err(PgError::from)?;
     tx.execute(
@@ -238,7 +360,13 @@ pub async fn migrate(
             found,
         });
     }
-    for (i, sql) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+    let wanted = target.clamp(0, VERSION) as usize;
+    for (i, sql) in MIGRATIONS
+        .iter()
+        .enumerate()
+        .take(wanted)
+        .skip(found as usize)
+    {
         let version = i as i32 + 1;
         tx.batch_execute(&sql.replace("{ns}", &ns))
             .await

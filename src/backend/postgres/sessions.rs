@@ -59,10 +59,11 @@ jobs AS (
     WHERE j.claim_session = e.id
     RETURNING j.id, j.queue, j.token, j.status, j.reason, e.id AS session_id
 ),
-events AS (
+{backlog}events AS (
     INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail,
-                            released_keys, released_tokens)
-    SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens FROM (
+                            released_keys, released_tokens, seq)
+    SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens,
+           {seq} FROM (
         SELECT e.id AS session, 1 AS part, 'seat_reclaimed' AS kind,
                e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
                NULL::uuid AS job_id, NULL::text AS detail, NULL::text[] AS keys,
@@ -88,7 +89,8 @@ events AS (
             GROUP BY session_id
         ) r ON r.session_id = e.id
     ) x ORDER BY session, part
-),
+    RETURNING 1
+),{counter}
 -- By the row addresses the select locked: they cannot move while the rows are locked, and a
 -- TID scan needs neither an index probe per row nor a scan of the table.
 gone AS (
@@ -119,6 +121,48 @@ FROM ended e
 
 fn end_sql(source: &str) -> String {
     END.replace("{source}", source)
+        .replace("{backlog}", "")
+        .replace("{seq}", "NULL::bigint")
+        .replace("{counter}", "")
+}
+
+/// Numbers, in the end statement itself, the events it writes and every committed event
+/// still unnumbered that its snapshot sees. The caller holds the numbering lock
+/// (`LOCK_EVENTS`) from before the statement began to its commit, so nobody numbers
+/// meanwhile, and the order is that of `number_events`: the backlog first, in id order (each
+/// committed before this statement's snapshot was taken, so before these events were
+/// written), then these events in their order. An event that commits after the snapshot was
+/// taken is concurrent with this statement and is numbered after it. A mass expiry's events
+/// are then written once, numbered, instead of written and then rewritten by the numbering.
+fn end_sql_numbered(source: &str) -> String {
+    END.replace("{source}", source)
+        .replace(
+            "{backlog}",
+            "counter AS MATERIALIZED (SELECT last FROM {ns}.event_counter),
+backlog AS MATERIALIZED (
+    SELECT ctid AS at, row_number() OVER (ORDER BY id) AS n
+    FROM {ns}.event WHERE seq IS NULL
+),
+prior AS (
+    UPDATE {ns}.event e SET seq = (SELECT last FROM counter) + b.n
+    FROM backlog b WHERE e.ctid = b.at
+),
+",
+        )
+        .replace(
+            "{seq}",
+            "(SELECT last FROM counter) + (SELECT count(*) FROM backlog)
+           + row_number() OVER (ORDER BY session, part)",
+        )
+        .replace(
+            "{counter}",
+            "
+numbered AS (
+    UPDATE {ns}.event_counter
+    SET last = last + (SELECT count(*) FROM backlog) + (SELECT count(*) FROM events)
+    WHERE (SELECT count(*) FROM backlog) + (SELECT count(*) FROM events) > 0
+),",
+        )
 }
 
 /// One session ($1), for $2 (`closed`, `admin`); a client closing a session already past
@@ -141,9 +185,10 @@ pub(super) static END_EXPIRED_ONE: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// Up to $1 sessions past their deadline, earliest first; rows another transaction holds
-/// (a pass on another node, a request of the session) are skipped, never waited for.
+/// (a pass on another node, a request of the session) are skipped, never waited for. Its
+/// events are numbered as they are written: the caller must hold the numbering lock.
 pub(super) static END_DUE: LazyLock<String> = LazyLock::new(|| {
-    end_sql(
+    end_sql_numbered(
         "SELECT id, ctid, 'expired'::text AS reason FROM {ns}.session
          WHERE expires_at <= {ns}.db_now() ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
     )

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Leasehold on PostgreSQL, two builds, beside the raw PostgreSQL tables, in one run on one
+# machine: for each workload (lock-churn, heartbeat, mass-expiry) the raw tables, then each
+# `leasehold` binary serving `--backend postgres` on a fresh namespace of the same database,
+# all driven by the same driver (`leasehold-compare`, as `run.sh` does). A fresh namespace per
+# run, so no run inherits the dead rows or the audit log of another (the raw tables are
+# recreated per run too). Prints one JSON line per run with "name" and "binary" fields.
+#
+#   benches/compare/pg-ab.sh OLD_BINARY NEW_BINARY
+#
+# CLIENTS (64), SECONDS_PER_RUN (10), MASS_SESSIONS (100000), MASS_CLIENTS (8) and
+# MASS_TTL_MS (3000) size the runs, as in run.sh; PG and PG_URL name the database; WORKLOADS
+# (default "lock-churn heartbeat mass-expiry") picks some. POOL_SIZE (default: CLIENTS) is
+# the servers' `--postgres-pool-size`: the raw tables get one connection per client, and with
+# `synchronous_commit = on` throughput is the commits in flight over the time of a WAL flush,
+# so a pool smaller than the clients measures the pool. Not part of CI: a run takes minutes.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+old="$(realpath "$1")"
+new="$(realpath "$2")"
+clients="${CLIENTS:-64}"
+seconds="${SECONDS_PER_RUN:-10}"
+mass_sessions="${MASS_SESSIONS:-100000}"
+mass_clients="${MASS_CLIENTS:-8}"
+mass_ttl_ms="${MASS_TTL_MS:-3000}"
+pg="${PG:-host=127.0.0.1 user=postgres dbname=test}"
+pg_url="${PG_URL:-postgres://postgres@127.0.0.1:5432/test}"
+pool_size="${POOL_SIZE:-$clients}"
+workloads="${WORKLOADS:-lock-churn heartbeat mass-expiry}"
+port=7896
+ns=bench_pg_ab
+work="$(mktemp -d)"
+pid=""
+trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; psql "$pg_url" -qc "DROP SCHEMA IF EXISTS $ns CASCADE" >/dev/null 2>&1; rm -rf "$work"' EXIT
+
+(cd "$here" && cargo build --release --quiet)
+compare="$here/target/release/leasehold-compare"
+
+start() {
+    psql "$pg_url" -qc "DROP SCHEMA IF EXISTS $ns CASCADE" >/dev/null 2>&1
+    "$1" serve --backend postgres --postgres-url "$pg_url" --namespace "$ns" \
+        --postgres-pool-size "$pool_size" --listen "127.0.0.1:$port" --log-level warn \
+        >"$work/server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 100); do
+        curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    echo "server $1 did not become ready" >&2
+    cat "$work/server.log" >&2
+    exit 1
+}
+stop() {
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    pid=""
+}
+label() {
+    python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; r['binary']=sys.argv[2]; print(json.dumps(r))" "$1" "$2"
+}
+args() {
+    case "$1" in
+    mass-expiry) echo "$mass_clients $mass_sessions $mass_ttl_ms" ;;
+    *) echo "$clients $seconds" ;;
+    esac
+}
+
+for workload in $workloads; do
+    echo "== $workload: raw PostgreSQL tables" >&2
+    # shellcheck disable=SC2046
+    "$compare" "postgres=$pg" "$workload" $(args "$workload") | label "PostgreSQL" "-"
+    for which in old new; do
+        bin="$old"
+        [ "$which" = new ] && bin="$new"
+        echo "== $workload: Leasehold on PostgreSQL, $which" >&2
+        start "$bin"
+        # shellcheck disable=SC2046
+        "$compare" "leasehold=http://127.0.0.1:$port" "$workload" $(args "$workload") |
+            label "Leasehold on PostgreSQL" "$which"
+        stop
+    done
+done
