@@ -31,13 +31,14 @@ measure() {
     pid=$!
     for _ in $(seq 1 600); do
         curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && break
+        kill -0 "$pid" 2>/dev/null || { echo "server $bin exited:" >&2; cat "$work/server.log" >&2; exit 1; }
         sleep 0.1
     done
     local ops
     ops="$("$driver" bench --server "http://127.0.0.1:$port" --workload "$workload" \
         --clients "$clients" --sessions 1000 --keys 1000 --warmup 1 --duration "$secs" \
         --json --quiet | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["ops"])')"
-    kill -TERM "$pid"
+    kill -TERM "$pid" 2>/dev/null || { echo "server $bin exited early:" >&2; tail -5 "$work/server.log" >&2; }
     wait "$pid" 2>/dev/null || true
     pid=""
     local ir
