@@ -6,6 +6,7 @@ use std::sync::Arc;
 pub use crate::backend::EngineConfig;
 use crate::backend::embedded::Embedded;
 use crate::backend::postgres::Postgres;
+use crate::backend::redis::Redis;
 use crate::backend::{
     Backend, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage, LockPage,
     OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
@@ -22,6 +23,7 @@ use crate::metrics::Metrics;
 pub enum Engine {
     Embedded(Embedded),
     Postgres(Postgres),
+    Redis(Redis),
 }
 
 /// Runs `$call` on whichever backend `$engine` holds.
@@ -30,6 +32,7 @@ macro_rules! each {
         match $engine {
             Engine::Embedded($b) => $call,
             Engine::Postgres($b) => $call,
+            Engine::Redis($b) => $call,
         }
     };
 }
@@ -43,6 +46,12 @@ impl From<Embedded> for Engine {
 impl From<Postgres> for Engine {
     fn from(b: Postgres) -> Engine {
         Engine::Postgres(b)
+    }
+}
+
+impl From<Redis> for Engine {
+    fn from(b: Redis) -> Engine {
+        Engine::Redis(b)
     }
 }
 
