@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side by side, in one run on one machine: Leasehold (release build, default settings: every
 # acknowledged write fsynced), Leasehold on PostgreSQL (`--backend postgres`, the same
-# database as the raw tables, its own schema), Redis with appendfsync always, Redis with its default
+# database as the raw tables, its own schema), Leasehold on Redis (`--backend redis` on a Redis
+# of its own with appendfsync always, like the raw one), Redis with appendfsync always, Redis with its default
 # persistence, and PostgreSQL (the session and lock tables, synchronous_commit on). Same
 # driver, same clients (64; 8 live ones for mass-expiry), same workloads. Writes
 # docs/benchmarks-compare.md.
@@ -22,7 +23,7 @@ mass_clients="${MASS_CLIENTS:-8}"
 mass_ttl_ms="${MASS_TTL_MS:-3000}"
 pg="${PG:-host=127.0.0.1 user=postgres dbname=test}"
 work="$(mktemp -d)"
-trap 'kill $(jobs -p) 2>/dev/null || true; redis-cli -p 6390 shutdown nosave >/dev/null 2>&1 || true; redis-cli -p 6391 shutdown nosave >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; redis-cli -p 6390 shutdown nosave >/dev/null 2>&1 || true; redis-cli -p 6391 shutdown nosave >/dev/null 2>&1 || true; redis-cli -p 6392 shutdown nosave >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 
 (cd "$root" && cargo build --release --quiet)
 (cd "$here" && cargo build --release --quiet)
@@ -40,6 +41,18 @@ psql "$pg_url" -qc "DROP SCHEMA IF EXISTS bench_compare CASCADE" >/dev/null
 "$root/target/release/leasehold" serve --backend postgres --postgres-url "$pg_url" \
     --namespace bench_compare --listen 127.0.0.1:7892 --log-level warn \
     >"$work/leasehold-pg.log" 2>&1 &
+# Leasehold on Redis: a Redis of its own, persisted exactly as the raw "appendfsync always" one.
+start_leasehold_on_redis() {
+    mkdir -p "$work/redis-leasehold"
+    redis-server --port 6392 --bind 127.0.0.1 --dir "$work/redis-leasehold" --appendonly yes \
+        --appendfsync always --save "" --daemonize yes --logfile "$work/redis-leasehold.log"
+    for _ in $(seq 1 100); do redis-cli -p 6392 ping >/dev/null 2>&1 && break; sleep 0.1; done
+    "$root/target/release/leasehold" serve --backend redis --redis-url redis://127.0.0.1:6392/0 \
+        --namespace bench_compare --listen 127.0.0.1:7893 --log-level warn \
+        >"$work/leasehold-redis.log" 2>&1 &
+    for _ in $(seq 1 100); do curl -fsS http://127.0.0.1:7893/readyz >/dev/null 2>&1 && break; sleep 0.1; done
+}
+start_leasehold_on_redis
 for _ in $(seq 1 100); do
     curl -fsS http://127.0.0.1:7892/readyz >/dev/null 2>&1 && curl -fsS http://127.0.0.1:7890/readyz >/dev/null 2>&1 && break
     sleep 0.1
@@ -48,11 +61,12 @@ done
 targets=(
     "leasehold=http://127.0.0.1:7890"
     "leasehold=http://127.0.0.1:7892"
+    "leasehold=http://127.0.0.1:7893"
     "redis=redis://127.0.0.1:6390"
     "redis=redis://127.0.0.1:6391"
     "postgres=$pg"
 )
-names=("Leasehold" "Leasehold on PostgreSQL" "Redis, appendfsync always" "Redis, default persistence" "PostgreSQL")
+names=("Leasehold" "Leasehold on PostgreSQL" "Leasehold on Redis (AOF always)" "Redis, appendfsync always" "Redis, default persistence" "PostgreSQL")
 out="$work/results.jsonl"
 named() {
     python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; print(json.dumps(r))" "$1" >>"$out"
@@ -134,6 +148,10 @@ for workload in ["lock-churn", "heartbeat"]:
     raw_pg = next((r for r in rs if r["name"] == "PostgreSQL"), None)
     if on_pg and raw_pg and raw_pg["ops_per_s"]:
         lines += ["", f"Leasehold on PostgreSQL ÷ the raw PostgreSQL tables: {on_pg['ops_per_s'] / raw_pg['ops_per_s']:.2f}× the throughput."]
+    on_redis = next((r for r in rs if r["name"] == "Leasehold on Redis (AOF always)"), None)
+    raw_redis = next((r for r in rs if r["name"] == "Redis, appendfsync always"), None)
+    if on_redis and raw_redis and raw_redis["ops_per_s"]:
+        lines += ["", f"Leasehold on Redis (AOF always) ÷ the raw Redis scripts (appendfsync always): {on_redis['ops_per_s'] / raw_redis['ops_per_s']:.2f}× the throughput."]
     lines.append("")
 base = next(r for r in mass if r["name"] == "Leasehold")
 lines += [
@@ -158,6 +176,13 @@ if on_pg and raw_pg:
     lines.append(
         f"- Leasehold on PostgreSQL took {max(on_pg['free_after_ms'], 1) / max(raw_pg['free_after_ms'], 1):.2f}× "
         "as long as the raw batched cascading `DELETE` to free every lock."
+    )
+on_redis = next((r for r in mass if r["name"] == "Leasehold on Redis (AOF always)"), None)
+raw_redis = next((r for r in mass if r["name"] == "Redis, appendfsync always"), None)
+if on_redis and raw_redis:
+    lines.append(
+        f"- Leasehold on Redis (AOF always) freed every lock in {on_redis['free_after_ms']:,} ms, the raw Redis "
+        f"cleaner in {raw_redis['free_after_ms']:,} ms: {max(raw_redis['free_after_ms'], 1) / max(on_redis['free_after_ms'], 1):.2f}× as fast."
     )
 lines.append(f"- Leasehold's deadlines spread over {base['deadline_spread_ms']} ms; the peers' fall on one instant.")
 for r in mass:
