@@ -64,11 +64,18 @@ local NOW = now_ms()
 local function draw() return redis.call('INCR', K_REV) end
 local function revision() return tonumber(redis.call('GET', K_REV) or '0') end
 
+-- The event counter is read once per call and written back once at its end (`finish`),
+-- so a reap of thousands of sessions does not `INCR` it thousands of times.
+local evseq = nil
 local function event(e)
-    local seq = redis.call('INCR', K_EVSEQ)
-    e.seq = seq
+    if not evseq then evseq = tonumber(redis.call('GET', K_EVSEQ) or '0') end
+    evseq = evseq + 1
+    e.seq = evseq
     e.at = NOW
-    redis.call('XADD', K_EVENTS, string.format('%d-1', seq), 'e', cjson.encode(e))
+    redis.call('XADD', K_EVENTS, string.format('%d-1', evseq), 'e', cjson.encode(e))
+end
+local function finish()
+    if evseq then redis.call('SET', K_EVSEQ, string.format('%d', evseq)) end
 end
 
 local function publish(list)
@@ -119,9 +126,36 @@ local function live(s) return s ~= nil and tonumber(s.x) > NOW end
 ---------------------------------------------------------------------------------------
 -- Ending sessions
 
+-- What ending sessions did so far; `gone_*` are the deletions an end defers to `flush`,
+-- made in a few variadic commands per batch rather than several per session.
 local function new_acc()
     return { closed = 0, expired = 0, admin = 0, locks = 0, seats = 0, recovered = 0,
-        failed = {}, keys = {}, pools = {}, recovered_q = {}, failed_q = {}, free = {} }
+        failed = {}, keys = {}, pools = {}, recovered_q = {}, failed_q = {}, free = {},
+        gone_keys = {}, gone_ids = {}, gone_locks = {} }
+end
+
+local function in_chunks(cmd, key, list)
+    local n = #list
+    local i = 1
+    while i <= n do
+        local j = math.min(i + 999, n)
+        if key then
+            redis.call(cmd, key, unpack(list, i, j))
+        else
+            redis.call(cmd, unpack(list, i, j))
+        end
+        i = j + 1
+    end
+end
+
+-- Makes the deletions the ended sessions deferred; run before anything reads them.
+local function flush(acc)
+    in_chunks('DEL', nil, acc.gone_keys)
+    in_chunks('ZREM', K_DEADLINES, acc.gone_ids)
+    in_chunks('ZREM', K_SESSIONS, acc.gone_ids)
+    in_chunks('HDEL', K_LOCKS, acc.gone_locks)
+    in_chunks('ZREM', K_LOCKIDX, acc.gone_locks)
+    acc.gone_keys, acc.gone_ids, acc.gone_locks = {}, {}, {}
 end
 
 local function end_kind(reason)
@@ -189,8 +223,7 @@ local function end_one(id, reason, acc)
     table.sort(locks, function(a, b) return a[2] < b[2] end)
     local keys, tokens = {}, {}
     for _, l in ipairs(locks) do
-        redis.call('HDEL', K_LOCKS, l[1])
-        redis.call('ZREM', K_LOCKIDX, l[1])
+        acc.gone_locks[#acc.gone_locks + 1] = l[1]
         keys[#keys + 1] = l[1]
         tokens[#tokens + 1] = l[2]
         acc.keys[#acc.keys + 1] = l[1]
@@ -198,9 +231,12 @@ local function end_one(id, reason, acc)
     end
     acc.locks = acc.locks + #locks
     event({ kind = end_kind(reason), sid = id, reason = reason, rk = keys, rt = tokens })
-    redis.call('DEL', sk, sk .. ':seats', sk .. ':jobs', sk .. ':locks')
-    redis.call('ZREM', K_DEADLINES, id)
-    redis.call('ZREM', K_SESSIONS, id)
+    local g = acc.gone_keys
+    g[#g + 1] = sk
+    g[#g + 1] = sk .. ':seats'
+    g[#g + 1] = sk .. ':jobs'
+    g[#g + 1] = sk .. ':locks'
+    acc.gone_ids[#acc.gone_ids + 1] = id
     acc[reason] = acc[reason] + 1
     return true
 end
@@ -208,6 +244,7 @@ end
 -- What an end did, for the node: counts for its metrics and what to wake. Lists are left
 -- out (`listed` false) when more was freed than a notification lists one by one.
 local function ended(acc, rev)
+    flush(acc)
     publish(acc.free)
     local listed = #acc.free <= NOTIFY_EACH_MAX
     local out = { by = { acc.closed, acc.expired, acc.admin }, revision = rev,
@@ -984,4 +1021,6 @@ end
 
 local f = OPS[op]
 if not f then return redis.error_reply('unknown operation ' .. tostring(op)) end
-return f()
+local out = f()
+finish()
+return out
