@@ -14,6 +14,7 @@ use crate::auth::Auth;
 use crate::backend::embedded::store::{Store, StoreError};
 use crate::backend::embedded::{Embedded, StartError};
 use crate::backend::postgres::{self, Postgres};
+use crate::backend::redis::{self, Redis};
 use crate::clock::Clock;
 use crate::config::{BackendKind, Config};
 use crate::engine::Engine;
@@ -33,6 +34,8 @@ pub enum AppError {
     Tokens(#[from] crate::auth::TokensError),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Redis(#[from] redis::StartError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -66,6 +69,11 @@ impl App {
                 let metrics = Arc::new(Metrics::new());
                 let backend =
                     Postgres::start(config.engine(), config.postgres(), clock, metrics).await?;
+                App::serve(config, Engine::from(backend)).await
+            }
+            BackendKind::Redis => {
+                let metrics = Arc::new(Metrics::new());
+                let backend = Redis::start(config.engine(), config.redis(), clock, metrics).await?;
                 App::serve(config, Engine::from(backend)).await
             }
         }

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::EngineConfig;
 use crate::backend::postgres::PgSettings;
+use crate::backend::redis::RedisSettings;
 use crate::domain::Limits;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -26,6 +27,8 @@ pub enum BackendKind {
     Embedded,
     /// A PostgreSQL database shared by several nodes (`postgres_url`, `namespace`).
     Postgres,
+    /// A Redis shared by several nodes (`redis_url`, `namespace`).
+    Redis,
 }
 
 /// Every setting of `leasehold serve`. Durations are milliseconds (`_ms`), sizes bytes.
@@ -34,14 +37,21 @@ pub enum BackendKind {
 pub struct Config {
     /// Address the HTTP API listens on.
     pub listen: SocketAddr,
-    /// Where the state lives: `embedded` (redb in `data_dir`) or `postgres`.
+    /// Where the state lives: `embedded` (redb in `data_dir`), `postgres` or `redis`.
     pub backend: BackendKind,
     /// Directory holding the data file (embedded backend).
     pub data_dir: PathBuf,
     /// A libpq connection URL, e.g. `postgres://leasehold@db1/leasehold` (postgres backend).
     pub postgres_url: Option<String>,
-    /// The schema (postgres) that holds this service's tables; several services can share
-    /// one database under different namespaces.
+    /// A Redis URL, e.g. `redis://:password@cache1:6379/0` (redis backend).
+    pub redis_url: Option<String>,
+    /// Start against a Redis that is not crash-durable (not `appendonly yes` with
+    /// `appendfsync always`): a warning is logged and the durability class exported.
+    pub redis_allow_volatile: bool,
+    /// Longest one Redis call may take before it is answered `backend_unavailable`.
+    pub redis_timeout_ms: u64,
+    /// The schema (postgres) or key prefix (redis) that holds this service's state; several
+    /// services can share one database under different namespaces.
     pub namespace: String,
     /// Most connections one node opens to PostgreSQL.
     pub postgres_pool_size: usize,
@@ -117,6 +127,9 @@ impl Default for Config {
             backend: BackendKind::Embedded,
             data_dir: PathBuf::from("leasehold-data"),
             postgres_url: None,
+            redis_url: None,
+            redis_allow_volatile: false,
+            redis_timeout_ms: 3_000,
             namespace: "leasehold".into(),
             postgres_pool_size: 16,
             postgres_statement_timeout_ms: 5_000,
@@ -231,6 +244,19 @@ impl Config {
                 "backend = \"postgres\" needs postgres_url (a libpq URL such as postgres://user@host:5432/db)".into(),
             ));
         }
+        if self.backend == BackendKind::Redis && self.redis_url.is_none() {
+            return Err(ConfigError::Invalid(
+                "backend = \"redis\" needs redis_url (a Redis URL such as redis://host:6379/0)"
+                    .into(),
+            ));
+        }
+        range(
+            "redis_timeout_ms",
+            self.redis_timeout_ms,
+            100,
+            600_000,
+            "milliseconds",
+        )?;
         if !valid_namespace(&self.namespace) {
             return Err(ConfigError::Invalid(format!(
                 "namespace = {:?} must be 1 to 48 characters of a-z, 0-9 and _, starting with a letter or _",
@@ -463,6 +489,17 @@ impl Config {
         }
     }
 
+    /// How the Redis backend reaches Redis (`redis_url` is checked by `validate` when
+    /// `backend = "redis"`).
+    pub fn redis(&self) -> RedisSettings {
+        RedisSettings {
+            url: self.redis_url.clone().unwrap_or_default(),
+            namespace: self.namespace.clone(),
+            allow_volatile: self.redis_allow_volatile,
+            timeout_ms: self.redis_timeout_ms,
+        }
+    }
+
     pub fn engine(&self) -> EngineConfig {
         EngineConfig {
             limits: Limits {
@@ -542,6 +579,11 @@ mod tests {
                 "backend",
                 toml::Value::String("postgres".into()),
                 "needs postgres_url",
+            ),
+            (
+                "backend",
+                toml::Value::String("redis".into()),
+                "needs redis_url",
             ),
             (
                 "namespace",

@@ -25,6 +25,11 @@ pub struct QueueStateLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClassLabel {
+    pub class: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
     pub route: String,
     pub method: String,
@@ -86,6 +91,8 @@ pub struct Metrics {
     pub jobs_recovered: Counter,
     pub jobs_failed: Family<ReasonLabel, Counter>,
     pub claim_wait_seconds: Histogram,
+    /// 1 for the durability class of the backend's store (the Redis backend sets it).
+    pub backend_durability: Family<ClassLabel, Gauge>,
 }
 
 impl Metrics {
@@ -119,6 +126,7 @@ impl Metrics {
             jobs_recovered: Counter::default(),
             jobs_failed: Family::default(),
             claim_wait_seconds: Histogram::new(latency_buckets()),
+            backend_durability: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -252,7 +260,20 @@ impl Metrics {
                 reason: reason.into(),
             });
         }
+        registry.register(
+            "backend_durability",
+            "1 for what the backend's store keeps through a crash: crash_durable, aof_everysec, aof_no, no_aof, unknown",
+            m.backend_durability.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Publishes the backend's durability class, the only series of its family.
+    pub fn set_backend_durability(&self, class: &'static str) {
+        self.backend_durability.clear();
+        self.backend_durability
+            .get_or_create(&ClassLabel { class })
+            .set(1);
     }
 
     /// Publishes a pool's capacity and use; `None` removes a deleted pool's series.

@@ -430,7 +430,11 @@ async fn restore_refuses_what_it_cannot_restore_safely_and_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raise_floor_ratchets_and_is_audited_on_every_backend() {
-    for kind in [BackendKind::Embedded, BackendKind::Postgres] {
+    for kind in [
+        BackendKind::Embedded,
+        BackendKind::Postgres,
+        BackendKind::Redis,
+    ] {
         let s = TestServer::start_on(kind, |_| {}).await;
         let a = s.open("a", 60_000).await;
         let t0 = take(&s, "k0", &a).await;
@@ -493,7 +497,7 @@ async fn raise_floor_ratchets_and_is_audited_on_every_backend() {
         let r = raw(&s, hyper::Method::POST, "/v1/admin/backup", Vec::new()).await;
         match kind {
             BackendKind::Embedded => assert_eq!(r.status, 200),
-            BackendKind::Postgres => {
+            BackendKind::Postgres | BackendKind::Redis => {
                 assert_eq!(r.status, 501, "{}", r.text);
                 assert_eq!(r.body["error"], "not_supported");
                 assert!(r.body["message"].as_str().unwrap().contains("raise-floor"));
@@ -509,7 +513,11 @@ async fn raise_floor_ratchets_and_is_audited_on_every_backend() {
 /// without it a draw between reading the counter and `setval` could be issued again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn floors_raised_under_concurrent_grants_never_repeat_a_token() {
-    for kind in [BackendKind::Embedded, BackendKind::Postgres] {
+    for kind in [
+        BackendKind::Embedded,
+        BackendKind::Postgres,
+        BackendKind::Redis,
+    ] {
         let s = TestServer::start_on(kind, |_| {}).await;
         let stop = Arc::new(AtomicBool::new(false));
         let mut takers = Vec::new();

@@ -211,10 +211,10 @@ fn migrate_and_check_a_postgres_namespace() {
     };
     let (code, out, err) = run(args("migrate"), &[]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("from version 0 to 1"), "{out}");
+    assert!(out.contains("from version 0 to 2"), "{out}");
     let (code, out, _) = run(args("migrate"), &[]);
     assert_eq!(code, 0);
-    assert!(out.contains("already at version 1"), "{out}");
+    assert!(out.contains("already at version 2"), "{out}");
     let (code, out, err) = run(args("check"), &["--backend", "postgres"]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("every invariant holds"), "{out}");

@@ -1,6 +1,7 @@
 //! Model-based test of the backends through the seam: random sequences of operations run
 //! through `Engine` (the handle the API calls) on a real server — the embedded backend with
-//! its redb store, writer and waiters, and the PostgreSQL backend with its SQL — and against a
+//! its redb store, writer and waiters, the PostgreSQL backend with its SQL, and the Redis
+//! backend with its Lua script — and against a
 //! small reference model written here. After every step the harness compares the step's
 //! result, the audit events it wrote, and everything a client can read: sessions and what
 //! they hold, lock holders and fences, pools and seats, jobs and queue counts.
@@ -24,7 +25,7 @@
 //! Cases: `PROPTEST_CASES` for the embedded run (256 by default), of up to 60 steps; the
 //! PostgreSQL run does 200 (`LEASEHOLD_MODEL_PG_CASES` to change it) of up to 45 steps, a
 //! round trip to the database for every read, which keeps it within about two minutes on
-//! this 2-core machine.
+//! this 2-core machine. The Redis run does 200 (`LEASEHOLD_MODEL_REDIS_CASES`) of up to 45.
 
 mod common;
 
@@ -1349,6 +1350,8 @@ impl Drop for Harness {
 struct OnEmbedded;
 /// The run on the PostgreSQL backend.
 struct OnPostgres;
+/// The run on the Redis backend.
+struct OnRedis;
 
 macro_rules! run_on {
     ($run:ident, $kind:ident) => {
@@ -1371,6 +1374,7 @@ macro_rules! run_on {
 
 run_on!(OnEmbedded, Embedded);
 run_on!(OnPostgres, Postgres);
+run_on!(OnRedis, Redis);
 
 /// Failures are kept next to this file, as `tests/model_backend.proptest-regressions`.
 fn config(cases: Option<u32>) -> Config {
@@ -1393,6 +1397,13 @@ fn postgres_cases() -> u32 {
         .unwrap_or(200)
 }
 
+fn redis_cases() -> u32 {
+    std::env::var("LEASEHOLD_MODEL_REDIS_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200)
+}
+
 prop_state_machine! {
     #![proptest_config(config(None))]
 
@@ -1405,4 +1416,11 @@ prop_state_machine! {
 
     #[test]
     fn postgres_matches_the_model(sequential 1..45 => OnPostgres);
+}
+
+prop_state_machine! {
+    #![proptest_config(config(Some(redis_cases())))]
+
+    #[test]
+    fn redis_matches_the_model(sequential 1..45 => OnRedis);
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side by side, in one run on one machine: Leasehold (release build, default settings: every
 # acknowledged write fsynced), Leasehold on PostgreSQL (`--backend postgres`, the same
-# database as the raw tables, its own schema), Redis with appendfsync always, Redis with its default
+# database as the raw tables, its own schema), Leasehold on Redis (`--backend redis` on a Redis
+# of its own with appendfsync always), Redis with appendfsync always, Redis with its default
 # persistence, PostgreSQL (the session and lock tables, synchronous_commit on) and etcd. Same
 # driver, same clients (64; 8 live ones for mass-expiry), same workloads. Writes
 # docs/benchmarks-compare.md (through report.py) and keeps the JSON lines in $RESULTS
@@ -36,6 +37,7 @@ cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     redis-cli -p 6390 shutdown nosave >/dev/null 2>&1 || true
     redis-cli -p 6391 shutdown nosave >/dev/null 2>&1 || true
+    redis-cli -p 6392 shutdown nosave >/dev/null 2>&1 || true
     [ "$pin" = 1 ] && unpin_postgres
     rm -rf "$work"
 }
@@ -83,6 +85,23 @@ target_leasehold_pg() {
     ready http://127.0.0.1:7892/readyz
     target="leasehold=http://127.0.0.1:7892"
     label="Leasehold on PostgreSQL"
+}
+
+# Leasehold on a Redis of its own, crash-durable like the raw one (AOF, appendfsync always).
+target_leasehold_redis() {
+    mkdir -p "$work/redis-leasehold"
+    $server_cpu redis-server --port 6392 --bind 127.0.0.1 --dir "$work/redis-leasehold" \
+        --appendonly yes --appendfsync always --save "" --daemonize yes \
+        --logfile "$work/redis-leasehold.log"
+    for _ in $(seq 1 100); do redis-cli -p 6392 ping >/dev/null 2>&1 && break; sleep 0.1; done
+    $server_cpu "$root/target/release/leasehold" serve --backend redis \
+        --redis-url redis://127.0.0.1:6392/0 --namespace bench_compare --listen 127.0.0.1:7893 \
+        --log-level warn >"$work/leasehold-redis.log" 2>&1 &
+    server_pid=$!
+    pids+=("$server_pid")
+    ready http://127.0.0.1:7893/readyz
+    target="leasehold=http://127.0.0.1:7893"
+    label="Leasehold on Redis (AOF always)"
 }
 
 redis_pid() {
@@ -158,11 +177,15 @@ stop_target() {
         *) kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true ;;
         esac
     fi
+    [ "$label" = "Leasehold on Redis (AOF always)" ] &&
+        redis-cli -p 6392 shutdown nosave >/dev/null 2>&1
+    true
     [ "$label" = PostgreSQL ] && [ "$pin" = 1 ] && unpin_postgres
-    rm -rf "$work/leasehold" "$work/etcd" "$work/redis-always" "$work/redis-default"
+    rm -rf "$work/leasehold" "$work/etcd" "$work/redis-always" "$work/redis-default" \
+        "$work/redis-leasehold"
 }
 
-TARGETS="${TARGETS:-leasehold leasehold_pg redis_always redis_default postgres etcd}"
+TARGETS="${TARGETS:-leasehold leasehold_pg leasehold_redis redis_always redis_default postgres etcd}"
 
 (cd "$root" && cargo build --release --quiet)
 (cd "$here" && cargo build --release --quiet)

@@ -10,6 +10,8 @@
 //! - [`postgres`]: the database is the authority, shared by several nodes; each operation
 //!   one transaction; expiry on the database clock (`db_now()`); waiting node-local, woken
 //!   by `LISTEN`/`NOTIFY`.
+//! - [`redis`]: Redis is the authority, shared by several nodes; each operation one Lua
+//!   script; expiry on Redis's `TIME`; waiting node-local, woken by pub/sub.
 //!
 //! # The failure contract
 //!
@@ -23,6 +25,7 @@
 pub mod embedded;
 pub mod pacing;
 pub mod postgres;
+pub mod redis;
 mod settings;
 pub mod waiting;
 

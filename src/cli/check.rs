@@ -1,5 +1,5 @@
-//! `leasehold check`: the offline integrity check of a data directory or of a PostgreSQL
-//! namespace; `leasehold migrate`: the PostgreSQL schema migrations.
+//! `leasehold check`: the offline integrity check of a data directory or of a PostgreSQL or
+//! Redis namespace; `leasehold migrate`: the PostgreSQL schema migrations.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -119,6 +119,34 @@ pub fn run_postgres(url: Option<&str>, namespace: &str) -> ExitCode {
             }
         },
     )
+}
+
+/// `leasehold check --backend redis`: every invariant of a namespace's keys, read in one
+/// script (atomically, so a running cluster can be checked).
+pub fn run_redis(url: Option<&str>, namespace: &str) -> ExitCode {
+    let Some(url) = url else {
+        eprintln!("leasehold check: --redis-url (or LEASEHOLD_REDIS_URL) is needed");
+        return ExitCode::from(2);
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("leasehold check: cannot start a runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    runtime.block_on(async {
+        match crate::backend::redis::check(url, namespace).await {
+            Ok(report) => print(&report),
+            Err(e) => {
+                eprintln!("leasehold check: cannot check Redis at {e}");
+                ExitCode::from(2)
+            }
+        }
+    })
 }
 
 /// `leasehold migrate`: brings a namespace's schema to the version this build knows.

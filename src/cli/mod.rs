@@ -51,6 +51,9 @@ enum Command {
         backend: crate::config::BackendKind,
         #[command(flatten)]
         postgres: PostgresArgs,
+        /// Redis URL, for --backend redis.
+        #[arg(long, env = "LEASEHOLD_REDIS_URL")]
+        redis_url: Option<String>,
     },
     /// Apply the PostgreSQL schema migrations of a namespace (serve also applies them at
     /// start); refuses a schema newer than this build knows.
@@ -159,7 +162,7 @@ struct PostgresArgs {
     /// PostgreSQL connection URL (libpq form).
     #[arg(long, env = "LEASEHOLD_POSTGRES_URL")]
     postgres_url: Option<String>,
-    /// Schema holding the state.
+    /// Schema (postgres) or key prefix (redis) holding the state.
     #[arg(long, env = "LEASEHOLD_NAMESPACE", default_value = "leasehold")]
     namespace: String,
 }
@@ -269,7 +272,19 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_POSTGRES_URL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     postgres_url: Option<String>,
-    /// Schema (postgres) holding this service's state [default: leasehold]
+    /// Redis URL, for --backend redis
+    #[arg(long, env = "LEASEHOLD_REDIS_URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    redis_url: Option<String>,
+    /// Start against a Redis that is not crash-durable [default: false]
+    #[arg(long, env = "LEASEHOLD_REDIS_ALLOW_VOLATILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    redis_allow_volatile: Option<bool>,
+    /// Longest one Redis call may take, in ms [default: 3000]
+    #[arg(long, env = "LEASEHOLD_REDIS_TIMEOUT_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    redis_timeout_ms: Option<u64>,
+    /// Schema (postgres) or key prefix (redis) holding this service's state [default: leasehold]
     #[arg(long, env = "LEASEHOLD_NAMESPACE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     namespace: Option<String>,
@@ -418,10 +433,14 @@ pub fn run(cli: Cli) -> ExitCode {
             data_dir,
             backend,
             postgres,
+            redis_url,
         } => match backend {
             crate::config::BackendKind::Embedded => check::run(&data_dir),
             crate::config::BackendKind::Postgres => {
                 check::run_postgres(postgres.postgres_url.as_deref(), &postgres.namespace)
+            }
+            crate::config::BackendKind::Redis => {
+                check::run_redis(redis_url.as_deref(), &postgres.namespace)
             }
         },
         Command::Migrate { postgres } => {

@@ -66,6 +66,16 @@ pub fn run(args: ServeArgs) -> ExitCode {
                 startup_ms = started.elapsed().as_millis() as u64,
                 "leasehold is serving"
             ),
+            crate::config::BackendKind::Redis => tracing::info!(
+                listen = %app.addr,
+                redis = %crate::backend::redis::redact(
+                    config.redis_url.as_deref().unwrap_or_default()
+                ),
+                namespace = %config.namespace,
+                ready = app.engine.ready(),
+                startup_ms = started.elapsed().as_millis() as u64,
+                "leasehold is serving"
+            ),
         }
         reload_on_hangup(app.reloadable());
         // Bound and open: systemd (Type=notify) may now count the service as started.

@@ -8,6 +8,7 @@ pub use crate::backend::EngineConfig;
 use crate::backend::embedded::Embedded;
 use crate::backend::embedded::store::backup::BackupFile;
 use crate::backend::postgres::Postgres;
+use crate::backend::redis::Redis;
 use crate::backend::{
     Backend, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage, LockPage,
     OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
@@ -25,6 +26,7 @@ use crate::metrics::Metrics;
 pub enum Engine {
     Embedded(Embedded),
     Postgres(Postgres),
+    Redis(Redis),
 }
 
 /// Runs `$call` on whichever backend `$engine` holds.
@@ -33,6 +35,7 @@ macro_rules! each {
         match $engine {
             Engine::Embedded($b) => $call,
             Engine::Postgres($b) => $call,
+            Engine::Redis($b) => $call,
         }
     };
 }
@@ -46,6 +49,12 @@ impl From<Embedded> for Engine {
 impl From<Postgres> for Engine {
     fn from(b: Postgres) -> Engine {
         Engine::Postgres(b)
+    }
+}
+
+impl From<Redis> for Engine {
+    fn from(b: Redis) -> Engine {
+        Engine::Redis(b)
     }
 }
 

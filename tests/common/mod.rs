@@ -9,6 +9,11 @@
 //!   the manual clock's starting wall time plus everything advanced since, so that both
 //!   backends read the same instants and a deadline is met exactly, not "about" — real time
 //!   passing between two requests must not move the database clock.
+//! - Redis (`LEASEHOLD_TEST_REDIS_URL`, default `redis://127.0.0.1:6379/0`): a fresh namespace
+//!   `t_<random hex>` whose keys are deleted when the server stops (best effort, also when a
+//!   test panics). The machine's Redis keeps nothing on disk, so these servers run with
+//!   `redis_allow_volatile`. On a manual clock the harness pins the script clock through the
+//!   test-only key `{namespace}:!clock`, set before the server starts and moved by `advance`.
 #![allow(dead_code)]
 
 pub mod calls;
@@ -39,6 +44,12 @@ pub fn postgres_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string())
 }
 
+/// The Redis the Redis variants run against.
+pub fn redis_url() -> String {
+    std::env::var("LEASEHOLD_TEST_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_string())
+}
+
 /// Which clock a test server runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClockKind {
@@ -58,6 +69,8 @@ pub struct TestServer {
     pub dir: TempDir,
     /// The PostgreSQL side, on that backend.
     db: Option<Database>,
+    /// The Redis side, on that backend.
+    pub keys: Option<Keyspace>,
 }
 
 /// A configuration for tests: port 0, a fresh directory, and no background reaper, so that
@@ -112,7 +125,20 @@ impl TestServer {
             config.postgres_url = Some(postgres_url());
             config.namespace = fresh_namespace();
         }
+        if kind == BackendKind::Redis {
+            config.redis_url = Some(redis_url());
+            config.redis_allow_volatile = true;
+            config.namespace = fresh_namespace();
+        }
         tweak(&mut config);
+        let keys = match kind {
+            BackendKind::Redis => {
+                let keys = Keyspace::connect(&config.namespace, clock == ClockKind::Manual).await;
+                keys.pin_clock().await;
+                Some(keys)
+            }
+            _ => None,
+        };
         let manual = match clock {
             ClockKind::Manual => Some(ManualClock::new(UnixMs(BASE))),
             ClockKind::Real => None,
@@ -130,7 +156,7 @@ impl TestServer {
                 db.pin_clock().await;
                 Some(db)
             }
-            BackendKind::Embedded => None,
+            BackendKind::Embedded | BackendKind::Redis => None,
         };
         let client = Client::new(&app.url()).unwrap();
         TestServer {
@@ -141,6 +167,7 @@ impl TestServer {
             config,
             dir,
             db,
+            keys,
         }
     }
 
@@ -163,6 +190,7 @@ impl TestServer {
             config,
             dir,
             db: None,
+            keys: None,
         };
         (s, switch)
     }
@@ -188,6 +216,10 @@ impl TestServer {
         if let Some(db) = &self.db {
             db.advanced.fetch_add(ms, Ordering::SeqCst);
             db.pin_clock().await;
+        }
+        if let Some(keys) = &self.keys {
+            keys.advanced.fetch_add(ms, Ordering::SeqCst);
+            keys.pin_clock().await;
         }
         clock.advance(ms);
     }
@@ -215,6 +247,9 @@ impl TestServer {
         }
         if let Some(db) = self.db.take() {
             db.drop_namespace().await;
+        }
+        if let Some(keys) = self.keys.take() {
+            keys.delete_all().await;
         }
     }
 
@@ -268,6 +303,24 @@ impl TestServer {
 impl Drop for TestServer {
     /// A test that panicked never reached `stop`: drop its namespace anyway, best effort.
     fn drop(&mut self) {
+        if let Some(keys) = self.keys.take() {
+            // A connection of its own: the test's runtime may be unwinding.
+            let namespace = keys.namespace.clone();
+            drop(keys);
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    Keyspace::connect(&namespace, false)
+                        .await
+                        .delete_all()
+                        .await
+                });
+            })
+            .join();
+        }
         if let Some(db) = self.db.take() {
             let namespace = db.namespace.clone();
             drop(db);
@@ -377,5 +430,78 @@ impl Database {
                 self.namespace
             ))
             .await;
+    }
+}
+
+/// The test's own connection to the Redis of a server, and its namespace.
+pub struct Keyspace {
+    pub conn: redis::aio::MultiplexedConnection,
+    pub namespace: String,
+    /// Whether the script clock follows the manual clock.
+    pinned: bool,
+    /// Milliseconds advanced since the start.
+    advanced: AtomicU64,
+}
+
+impl Keyspace {
+    pub async fn connect(namespace: &str, pinned: bool) -> Keyspace {
+        let client = redis::Client::open(redis_url()).unwrap();
+        let conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach Redis at {}: {e}", redis_url()));
+        Keyspace {
+            conn,
+            namespace: namespace.to_string(),
+            pinned,
+            advanced: AtomicU64::new(0),
+        }
+    }
+
+    /// Sets the test-only clock key to `BASE` plus what was advanced (on the real clock,
+    /// leaves the scripts on Redis's `TIME`).
+    pub async fn pin_clock(&self) {
+        if !self.pinned {
+            return;
+        }
+        let at = BASE + self.advanced.load(Ordering::SeqCst);
+        let _: () = redis::cmd("SET")
+            .arg(format!("{}:!clock", self.namespace))
+            .arg(at)
+            .query_async(&mut self.conn.clone())
+            .await
+            .unwrap_or_else(|e| panic!("cannot move the clock of {}: {e}", self.namespace));
+    }
+
+    /// Every key of the namespace.
+    pub async fn keys(&self) -> Vec<String> {
+        let mut conn = self.conn.clone();
+        let mut cursor = 0u64;
+        let mut out = Vec::new();
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}:*", self.namespace))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            out.extend(batch);
+            if next == 0 {
+                return out;
+            }
+            cursor = next;
+        }
+    }
+
+    pub async fn delete_all(self) {
+        let keys = self.keys().await;
+        let mut conn = self.conn.clone();
+        for chunk in keys.chunks(500) {
+            let _: redis::RedisResult<()> =
+                redis::cmd("DEL").arg(chunk).query_async(&mut conn).await;
+        }
     }
 }

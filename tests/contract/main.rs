@@ -4,12 +4,13 @@
 //!
 //! Each test is an `async fn name(s: &TestServer)` in the module of its resource; the
 //! `contract!` list below makes one `#[tokio::test]` of it per backend, as
-//! `embedded::<module>::<name>` and `postgres::<module>::<name>`, so the backends cannot
-//! drift: a test cannot be written for one and forgotten for the other.
+//! `embedded::<module>::<name>`, `postgres::<module>::<name>` and `redis::<module>::<name>`,
+//! so the backends cannot drift: a test cannot be written for one and forgotten for another.
 //!
 //! Where the backends legitimately differ, the test says so where it asserts. On PostgreSQL
 //! the database clock judges expiry and stamps every time in an answer; the harness pins
 //! that clock to the manual clock (see `common`), so the same instants are asserted on both.
+//! On Redis the script's clock judges expiry; the harness pins it the same way.
 //!
 //! What is embedded-only by nature (injected storage faults, the node's own clock judging
 //! expiry, the writer's paced reaper passes, the restart grace, the redb file) lives in
@@ -17,7 +18,8 @@
 //!
 //! Run one backend: `cargo test --test contract embedded::` (or `postgres::`, which needs the
 //! database at `LEASEHOLD_TEST_POSTGRES_URL`, by default
-//! `postgres://postgres@127.0.0.1:5432/test`).
+//! `postgres://postgres@127.0.0.1:5432/test`), or `redis::`, which needs Redis at
+//! `LEASEHOLD_TEST_REDIS_URL`, by default `redis://127.0.0.1:6379/0`).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -70,6 +72,9 @@ macro_rules! contract {
         }
         mod postgres {
             contract!(@backend Postgres; $($suite)*);
+        }
+        mod redis {
+            contract!(@backend Redis; $($suite)*);
         }
     };
 }

@@ -211,9 +211,9 @@ pub async fn waiters_keep_their_order_when_a_newcomer_reaps_the_holder_inline(s:
     }
     // Where the backends differ: the embedded writer commits a waiter's grant in the same
     // batch as the release that freed the key, so the next holder is visible as soon as the
-    // release (or the newcomer's acquire) is answered; on PostgreSQL the waiter takes the key
-    // when it is woken, so the holder is read once B is answered.
-    if !s.is_postgres() {
+    // release (or the newcomer's acquire) is answered; on PostgreSQL and Redis the waiter takes
+    // the key when it is woken, so the holder is read once B is answered.
+    if s.kind == BackendKind::Embedded {
         let h = holder(s, "k").await;
         assert_eq!(
             h.body["session_id"],

@@ -1,6 +1,11 @@
 //! What the multi-node PostgreSQL tests share: a fresh schema per test, real `leasehold serve`
 //! processes on the PostgreSQL backend, bounded HTTP calls, the audit log read to its end, and
 //! a private PostgreSQL cluster that a test may stop and start.
+//!
+//! The scenarios that need no private cluster run on Redis too: with
+//! `LEASEHOLD_NODES_BACKEND=redis` every node of [`Cluster::start`] is `--backend redis` on the
+//! machine's Redis (`LEASEHOLD_TEST_REDIS_URL`, by default `redis://127.0.0.1:6379/0`) under a
+//! fresh namespace, whose keys are deleted afterwards (`scripts/test` runs them so).
 #![allow(dead_code)]
 
 pub mod ledger;
@@ -26,6 +31,27 @@ const PSQL_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub fn pg_url(port: u16, db: &str) -> String {
     format!("postgres://postgres@{PG_HOST}:{port}/{db}")
+}
+
+/// The backend the nodes of a [`Cluster`] share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Store {
+    Postgres,
+    Redis,
+}
+
+/// `LEASEHOLD_NODES_BACKEND`: `postgres` (the default) or `redis`.
+pub fn store() -> Store {
+    match std::env::var("LEASEHOLD_NODES_BACKEND").as_deref() {
+        Ok("redis") => Store::Redis,
+        Ok("postgres") | Err(_) => Store::Postgres,
+        Ok(other) => panic!("LEASEHOLD_NODES_BACKEND must be postgres or redis, not {other:?}"),
+    }
+}
+
+pub fn redis_url() -> String {
+    std::env::var("LEASEHOLD_TEST_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_string())
 }
 
 /// xorshift64*, seeded through splitmix64 so that small seeds are fine.
@@ -147,10 +173,11 @@ pub fn psql(url: &str, sql: &str) -> String {
     out
 }
 
-/// A fresh schema `t_<hex>` for one test, dropped when the guard goes.
+/// A fresh schema (or Redis namespace) `t_<hex>` for one test, dropped when the guard goes.
 pub struct Schema {
     pub name: String,
     pub url: String,
+    pub store: Store,
 }
 
 impl Schema {
@@ -159,17 +186,48 @@ impl Schema {
         Schema {
             name,
             url: url.to_string(),
+            store: Store::Postgres,
         }
     }
 
-    /// On the shared server of the test machine.
+    /// A fresh namespace on the Redis at `url`.
+    pub fn redis(url: &str) -> Schema {
+        Schema {
+            name: format!("t_{}", uuid::Uuid::new_v4().simple()),
+            url: url.to_string(),
+            store: Store::Redis,
+        }
+    }
+
+    /// On the shared server of the test machine, of the backend [`store`] names.
     pub fn shared() -> Schema {
-        Schema::new(&pg_url(PG_PORT, PG_DB))
+        match store() {
+            Store::Postgres => Schema::new(&pg_url(PG_PORT, PG_DB)),
+            Store::Redis => Schema::redis(&redis_url()),
+        }
     }
 }
 
 impl Drop for Schema {
     fn drop(&mut self) {
+        if self.store == Store::Redis {
+            let (ok, out) = run_bounded(
+                Command::new("redis-cli").args([
+                    "-u",
+                    &self.url,
+                    "EVAL",
+                    "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do \
+                     redis.call('DEL', k) n = n + 1 end return n",
+                    "0",
+                    &format!("{}:*", self.name),
+                ]),
+                PSQL_TIMEOUT,
+            );
+            if !ok && !std::thread::panicking() {
+                eprintln!("could not delete the keys of {}: {out}", self.name);
+            }
+            return;
+        }
         let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name);
         let (ok, out) = run_bounded(
             Command::new("psql")
@@ -200,6 +258,7 @@ impl Drop for Schema {
 #[derive(Clone)]
 pub struct NodeSpec {
     pub name: String,
+    pub store: Store,
     pub url: String,
     pub namespace: String,
     pub reaper: bool,
@@ -215,6 +274,7 @@ impl NodeSpec {
     pub fn new(name: &str, schema: &Schema, logs: &Path) -> NodeSpec {
         NodeSpec {
             name: name.to_string(),
+            store: schema.store,
             url: schema.url.clone(),
             namespace: schema.name.clone(),
             reaper: false,
@@ -262,10 +322,19 @@ impl Node {
                 .open(&spec.log)
                 .expect("open the node log");
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
-            cmd.arg("serve")
-                .args(["--backend", "postgres"])
-                .args(["--postgres-url", &spec.url])
-                .args(["--namespace", &spec.namespace])
+            cmd.arg("serve");
+            match spec.store {
+                Store::Postgres => cmd
+                    .args(["--backend", "postgres"])
+                    .args(["--postgres-url", &spec.url])
+                    .args(["--postgres-pool-size", &spec.pool_size.to_string()]),
+                // The machine's Redis keeps nothing on disk.
+                Store::Redis => cmd
+                    .args(["--backend", "redis"])
+                    .args(["--redis-url", &spec.url])
+                    .args(["--redis-allow-volatile", "true"]),
+            };
+            cmd.args(["--namespace", &spec.namespace])
                 .args(["--listen", &format!("127.0.0.1:{port}")])
                 .arg("--data-dir")
                 .arg(&spec.data_dir)
@@ -274,7 +343,6 @@ impl Node {
                     if spec.reaper { "true" } else { "false" },
                 ])
                 .args(["--reaper-interval-ms", &spec.reaper_interval_ms.to_string()])
-                .args(["--postgres-pool-size", &spec.pool_size.to_string()])
                 .args(["--log-level", "info"])
                 .args(&spec.extra)
                 .stdin(Stdio::null())

@@ -1,0 +1,422 @@
+//! What only the Redis backend has: the seed's seat layout kept in step, the script reloaded
+//! after a script-cache flush, the durability check at start, and a crash-durable Redis
+//! killed with `kill -9` under concurrent grants and started again on its own directory.
+//!
+//! The layout and flush tests use the machine's Redis under a fresh namespace (see
+//! `common`); the durability tests start their own `redis-server` on a free port with a data
+//! directory of their own.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use leasehold::app::App;
+use leasehold::client::Client;
+use leasehold::clock::SystemClock;
+use leasehold::config::Config;
+use serde_json::{Value, json};
+
+async fn smembers(keys: &Keyspace, key: &str) -> Vec<String> {
+    let mut members: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(key)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    members.sort();
+    members
+}
+
+async fn hget(keys: &Keyspace, key: &str, field: &str) -> Option<String> {
+    redis::cmd("HGET")
+        .arg(key)
+        .arg(field)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seat_layout_shows_a_taken_seat_and_nothing_after_release_or_reclaim() {
+    // Guards against the `{pool}:active_sessions` / `{pool}:session_metadata` layout that
+    // existing dashboards read drifting from the seats: a holder missing, or one left behind
+    // after its seat was given back or reclaimed.
+    let s = TestServer::start_on(BackendKind::Redis, |_| {}).await;
+    let keys = s.keys.as_ref().unwrap();
+    let ns = &keys.namespace;
+    let active = format!("{ns}:LIC-TEST-001:active_sessions");
+    let meta = format!("{ns}:LIC-TEST-001:session_metadata");
+    make_pool(&s, "LIC-TEST-001", 5).await;
+
+    let a = s.open("alice", 6_000).await;
+    let r = acquire_seat(
+        &s.client,
+        "LIC-TEST-001",
+        json!({"session_id": a, "metadata": {"user_email": "alice@example.com"}}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let token = r.body["seat_token"].as_u64().unwrap();
+    assert_eq!(smembers(keys, &active).await, vec![a.clone()]);
+    let entry: Value = serde_json::from_str(&hget(keys, &meta, &a).await.unwrap()).unwrap();
+    assert_eq!(entry["acquired_at"], BASE / 1000, "{entry}");
+    assert_eq!(entry["last_heartbeat"], BASE / 1000, "{entry}");
+    assert_eq!(entry["user_email"], "alice@example.com", "{entry}");
+    assert_eq!(entry["token"], token, "{entry}");
+
+    // A heartbeat moves last_heartbeat, and only that.
+    s.advance(3_000).await;
+    assert_eq!(s.heartbeat(&a).await.status, 200);
+    let entry: Value = serde_json::from_str(&hget(keys, &meta, &a).await.unwrap()).unwrap();
+    assert_eq!(entry["acquired_at"], BASE / 1000, "{entry}");
+    assert_eq!(entry["last_heartbeat"], (BASE + 3_000) / 1000, "{entry}");
+
+    // Released: gone from both.
+    assert_eq!(
+        release_seat(&s, "LIC-TEST-001", &a, token).await.status,
+        200
+    );
+    assert!(smembers(keys, &active).await.is_empty());
+    assert_eq!(hget(keys, &meta, &a).await, None);
+
+    // Reclaimed by expiry: gone from both once the reaper ends the session.
+    let b = s.open("bob", 2_000).await;
+    seat(&s, "LIC-TEST-001", &b).await;
+    assert_eq!(smembers(keys, &active).await, vec![b.clone()]);
+    assert!(hget(keys, &meta, &b).await.is_some());
+    s.advance(2_000).await;
+    assert_eq!(s.reap().await.body["sessions_ended"], 1);
+    assert!(smembers(keys, &active).await.is_empty());
+    assert_eq!(hget(keys, &meta, &b).await, None);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_survive_a_script_cache_flush() {
+    // Guards against a node that loads its script once and then fails every call with
+    // NOSCRIPT after Redis forgets it (SCRIPT FLUSH, a restart, a fail-over).
+    let s = TestServer::start_on(BackendKind::Redis, |_| {}).await;
+    let a = s.open("alice", 60_000).await;
+    let t1 = take(&s, "before", &a).await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut s.keys.as_ref().unwrap().conn.clone())
+        .await
+        .unwrap();
+    let t2 = take(&s, "after", &a).await;
+    assert!(t2 > t1, "{t2} after {t1}");
+    assert_eq!(s.release("before", &a, t1).await.status, 200);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leasehold_check_on_redis_reports_the_namespace_and_finds_a_broken_invariant() {
+    // Guards against a check that cannot fail: a seat whose holder is deleted behind the
+    // backend's back must be named.
+    let s = TestServer::start_on(BackendKind::Redis, |_| {}).await;
+    let a = s.open("alice", 60_000).await;
+    take(&s, "k", &a).await;
+    make_pool(&s, "p", 2).await;
+    seat(&s, "p", &a).await;
+    let check = || {
+        Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .args(["check", "--backend", "redis", "--redis-url", &redis_url()])
+            .args(["--namespace", &s.config.namespace])
+            .output()
+            .unwrap()
+    };
+    let out = check();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("sessions: 1\nlocks: 1"), "{text}");
+    assert!(text.contains("ok: every invariant holds"), "{text}");
+
+    let _: () = redis::cmd("DEL")
+        .arg(format!("{}:!s:{a}", s.config.namespace))
+        .query_async(&mut s.keys.as_ref().unwrap().conn.clone())
+        .await
+        .unwrap();
+    let out = check();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!(
+            "lock k is held by session {a} which does not exist"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "seat in p is held by session {a} which does not exist"
+        )),
+        "{text}"
+    );
+    s.stop().await;
+}
+
+/// A `redis-server` of the test's own: a free port, a data directory, killed on drop.
+struct PrivateRedis {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    args: Vec<String>,
+}
+
+impl PrivateRedis {
+    fn start(args: &[&str]) -> PrivateRedis {
+        let mut r = PrivateRedis {
+            port: 0,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        for _ in 0..20 {
+            r.port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            if r.launch() {
+                return r;
+            }
+        }
+        panic!("could not start redis-server on a free port");
+    }
+
+    /// Starts the server on the port and directory; false if it did not come up.
+    fn launch(&mut self) -> bool {
+        let log = std::fs::File::create(self.dir.path().join("redis.log")).unwrap();
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(["--save", "", "--daemonize", "no"])
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("redis-server must be installed");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(c) = self.child.as_mut()
+                && c.try_wait().unwrap().is_some()
+            {
+                return false;
+            }
+            let ok = Command::new("redis-cli")
+                .args(["-p", &self.port.to_string(), "PING"])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG");
+            if ok {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// SIGKILL: no chance to flush anything.
+    fn kill_9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn restart(&mut self) {
+        assert!(
+            self.launch(),
+            "redis-server did not come back on its directory:\n{}",
+            log(self.dir.path())
+        );
+    }
+}
+
+fn log(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default()
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill_9();
+    }
+}
+
+fn config_on(url: &str, dir: &tempfile::TempDir) -> Config {
+    Config {
+        backend: BackendKind::Redis,
+        redis_url: Some(url.to_string()),
+        namespace: fresh_namespace(),
+        redis_timeout_ms: 1_000,
+        ..test_config(dir)
+    }
+}
+
+async fn until_ready(client: &Client, want: bool, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let ready = matches!(client.get("/readyz").await, Ok(r) if r.status == 200);
+        if ready == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "readiness did not become {want} within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_a_crash_durable_redis_loses_no_acknowledged_grant_and_no_token_goes_back() {
+    // Guards against a backend that answers before Redis has made a grant durable, or a
+    // token counter that restarts lower: with appendfsync always every acknowledged grant
+    // must be there after Redis is killed and started again, and the next token above all.
+    // Also: while Redis is down the node is unready and answers 503 backend_unavailable, and
+    // it reconnects by itself.
+    let mut redis = PrivateRedis::start(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_on(&redis.url(), &dir);
+    let app = App::start(&config, Arc::new(SystemClock::new()))
+        .await
+        .unwrap_or_else(|e| panic!("a crash-durable Redis must be accepted: {e}"));
+    let client = Client::new(&app.url()).unwrap();
+    let m = client.get("/metrics").await.unwrap().text;
+    assert!(
+        m.contains("leasehold_backend_durability{class=\"crash_durable\"} 1"),
+        "{m}"
+    );
+
+    // Concurrent grants until Redis is killed under them; each task records what it was
+    // told.
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let r = client
+                    .post(
+                        "/v1/sessions",
+                        &json!({"owner": format!("w{w}"), "ttl_ms": 120_000}),
+                    )
+                    .await
+                    .unwrap();
+                let sid = r.body["session_id"].as_str().unwrap().to_string();
+                let mut acked = Vec::new();
+                for i in 0.. {
+                    let key = format!("w{w}/k{i}");
+                    match client
+                        .post(&lock_path(&key, "acquire"), &json!({"session_id": sid}))
+                        .await
+                    {
+                        Ok(r) if r.status == 200 => {
+                            acked.push((key, r.body["token"].as_u64().unwrap()))
+                        }
+                        // Redis is gone: what was not acknowledged may or may not be there.
+                        _ => break,
+                    }
+                }
+                (sid, acked)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    redis.kill_9();
+    let mut acked = Vec::new();
+    for w in workers {
+        let (sid, grants) = w.await.unwrap();
+        acked.extend(grants.into_iter().map(|(k, t)| (sid.clone(), k, t)));
+    }
+    assert!(
+        acked.len() >= 8,
+        "too few grants to mean anything: {}",
+        acked.len()
+    );
+
+    // Down: unready, and an operation is 503 backend_unavailable.
+    until_ready(&client, false, Duration::from_secs(10)).await;
+    let r = client
+        .post("/v1/sessions", &json!({"owner": "x", "ttl_ms": 60_000}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert_eq!(r.body["error"], "backend_unavailable", "{}", r.text);
+
+    // Back on the same directory: the node reconnects by itself.
+    redis.restart();
+    until_ready(&client, true, Duration::from_secs(15)).await;
+    let mut high = 0;
+    for (sid, key, token) in &acked {
+        let r = client
+            .get(&format!("/v1/locks/{}", leasehold::client::segment(key)))
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status, 200,
+            "acknowledged grant {key} was lost: {}",
+            r.text
+        );
+        assert_eq!(r.body["session_id"], sid.as_str(), "{}", r.text);
+        assert_eq!(r.body["token"], *token, "{}", r.text);
+        high = high.max(*token);
+    }
+    let sid = acked[0].0.clone();
+    let r = client
+        .post("/v1/locks/after/acquire", &json!({"session_id": sid}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    let next = r.body["token"].as_u64().unwrap();
+    assert!(next > high, "token {next} after a restart, {high} before");
+    eprintln!(
+        "{} acknowledged grants kept through kill -9; next token {next} > {high}",
+        acked.len()
+    );
+    app.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volatile_redis_is_refused_without_the_opt_in_and_named_in_the_metric_with_it() {
+    // Guards against a node that silently runs where a Redis crash loses acknowledged grants.
+    let redis = PrivateRedis::start(&["--appendonly", "no"]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_on(&redis.url(), &dir);
+    let err = match App::start(&config, Arc::new(SystemClock::new())).await {
+        Ok(_) => panic!("a Redis without append-only persistence was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("is not crash-durable"), "{err}");
+    assert!(err.contains("appendonly is no"), "{err}");
+    assert!(err.contains("tokens can go backwards"), "{err}");
+    assert!(err.contains("redis_allow_volatile = true"), "{err}");
+
+    let app = App::start(
+        &Config {
+            redis_allow_volatile: true,
+            ..config
+        },
+        Arc::new(SystemClock::new()),
+    )
+    .await
+    .unwrap();
+    let client = Client::new(&app.url()).unwrap();
+    let m = client.get("/metrics").await.unwrap().text;
+    assert!(
+        m.contains("leasehold_backend_durability{class=\"no_aof\"} 1"),
+        "{m}"
+    );
+    assert_eq!(client.get("/readyz").await.unwrap().status, 200);
+    app.shutdown().await;
+}
