@@ -8,7 +8,7 @@ use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
 
 use super::error::ApiError;
-use super::extract::{Body, SessionPath};
+use super::extract::{Body, SessionPath, Whole};
 use super::gate::Caller;
 use super::jobs::JobPath;
 use super::sessions::{CloseResponse, end};
@@ -178,7 +178,7 @@ async fn reap(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FloorRequest {
-    floor: u64,
+    floor: Whole,
 }
 
 #[derive(Serialize)]
@@ -199,8 +199,8 @@ async fn raise_token_floor(
     caller: Caller,
     Body(req): Body<FloorRequest>,
 ) -> Result<Json<FloorResponse>, ApiError> {
-    audit(&caller, "token_floor_raise", &req.floor);
-    let r = app.engine.raise_token_floor(req.floor).await?;
+    audit(&caller, "token_floor_raise", &req.floor.0);
+    let r = app.engine.raise_token_floor(req.floor.0).await?;
     Ok(Json(FloorResponse {
         floor: r.floor,
         previous: r.previous,
