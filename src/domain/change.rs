@@ -39,6 +39,14 @@ pub enum EndReason {
 }
 
 impl EndReason {
+    pub const ALL: [EndReason; 3] = [EndReason::Closed, EndReason::Expired, EndReason::Admin];
+
+    /// The reason named `name` (as [`as_str`](Self::as_str) writes it), for backends that
+    /// store reasons as text.
+    pub fn from_name(name: &str) -> Option<EndReason> {
+        Self::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             EndReason::Closed => "closed",
@@ -75,6 +83,35 @@ pub enum EventKind {
 }
 
 impl EventKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [EventKind; 19] = [
+        EventKind::SessionOpened,
+        EventKind::SessionClosed,
+        EventKind::SessionExpired,
+        EventKind::SessionEndedByAdmin,
+        EventKind::LockAcquired,
+        EventKind::LockReleased,
+        EventKind::PoolPut,
+        EventKind::PoolDeleted,
+        EventKind::SeatAcquired,
+        EventKind::SeatReleased,
+        EventKind::SeatReclaimed,
+        EventKind::JobEnqueued,
+        EventKind::JobClaimed,
+        EventKind::JobCompleted,
+        EventKind::JobFailed,
+        EventKind::JobRecovered,
+        EventKind::JobReleased,
+        EventKind::JobRequeued,
+        EventKind::TokenFloorRaised,
+    ];
+
+    /// The kind named `name` (as [`as_str`](Self::as_str) writes it), for backends that
+    /// store kinds as text.
+    pub fn from_name(name: &str) -> Option<EventKind> {
+        Self::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             EventKind::SessionOpened => "session_opened",
@@ -283,4 +320,26 @@ pub enum Change {
         queue: LockKey,
     },
     Event(Event),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kind and reason reads back from the name it is stored under, and no two kinds
+    /// share a name. (A kind added to `as_str` must be added to `ALL` too, or the text
+    /// backends cannot read it back.)
+    #[test]
+    fn names_round_trip() {
+        let mut seen = std::collections::HashSet::new();
+        for k in EventKind::ALL {
+            assert!(seen.insert(k.as_str()), "{} named twice", k.as_str());
+            assert_eq!(EventKind::from_name(k.as_str()), Some(k));
+        }
+        for r in EndReason::ALL {
+            assert_eq!(EndReason::from_name(r.as_str()), Some(r));
+        }
+        assert_eq!(EventKind::from_name("no_such_kind"), None);
+        assert_eq!(EndReason::from_name(""), None);
+    }
 }

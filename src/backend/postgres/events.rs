@@ -37,40 +37,6 @@ d AS (
 )
 SELECT count(*) FROM d";
 
-fn kind(text: &str) -> Option<EventKind> {
-    Some(match text {
-        "session_opened" => EventKind::SessionOpened,
-        "session_closed" => EventKind::SessionClosed,
-        "session_expired" => EventKind::SessionExpired,
-        "session_ended_by_admin" => EventKind::SessionEndedByAdmin,
-        "lock_acquired" => EventKind::LockAcquired,
-        "lock_released" => EventKind::LockReleased,
-        "pool_put" => EventKind::PoolPut,
-        "pool_deleted" => EventKind::PoolDeleted,
-        "seat_acquired" => EventKind::SeatAcquired,
-        "seat_released" => EventKind::SeatReleased,
-        "seat_reclaimed" => EventKind::SeatReclaimed,
-        "job_enqueued" => EventKind::JobEnqueued,
-        "job_claimed" => EventKind::JobClaimed,
-        "job_completed" => EventKind::JobCompleted,
-        "job_failed" => EventKind::JobFailed,
-        "job_recovered" => EventKind::JobRecovered,
-        "job_released" => EventKind::JobReleased,
-        "job_requeued" => EventKind::JobRequeued,
-        "token_floor_raised" => EventKind::TokenFloorRaised,
-        _ => return None,
-    })
-}
-
-fn reason(text: &str) -> Option<EndReason> {
-    match text {
-        "closed" => Some(EndReason::Closed),
-        "expired" => Some(EndReason::Expired),
-        "admin" => Some(EndReason::Admin),
-        _ => None,
-    }
-}
-
 impl Postgres {
     /// Numbers committed events; with `wait` false, gives up if another numbering is under
     /// way (it will number them). Returns how many were numbered.
@@ -89,7 +55,7 @@ impl Postgres {
             .await?;
         let mut events = Vec::with_capacity(rows.len());
         for r in &rows {
-            let Some(k) = kind(r.get(2)) else {
+            let Some(k) = EventKind::from_name(r.get(2)) else {
                 tracing::warn!(
                     kind = r.get::<_, &str>(2),
                     "skipping an event of unknown kind"
@@ -104,7 +70,7 @@ impl Postgres {
             e.session_id = r.get::<_, Option<uuid::Uuid>>(3).map(SessionId);
             e.key = r.get(4);
             e.token = r.get::<_, Option<i64>>(5).map(|t| Token(t as u64));
-            e.reason = r.get::<_, Option<&str>>(6).and_then(reason);
+            e.reason = r.get::<_, Option<&str>>(6).and_then(EndReason::from_name);
             e.owner = r.get(7);
             let keys: Option<Vec<String>> = r.get(8);
             let tokens: Option<Vec<i64>> = r.get(9);

@@ -358,43 +358,9 @@ fn job_id(text: &str) -> Result<JobId> {
         .map_err(|_| BackendError::Unavailable(format!("Redis holds a malformed job id {text:?}")))
 }
 
-fn event_kind(text: &str) -> Option<EventKind> {
-    Some(match text {
-        "session_opened" => EventKind::SessionOpened,
-        "session_closed" => EventKind::SessionClosed,
-        "session_expired" => EventKind::SessionExpired,
-        "session_ended_by_admin" => EventKind::SessionEndedByAdmin,
-        "lock_acquired" => EventKind::LockAcquired,
-        "lock_released" => EventKind::LockReleased,
-        "pool_put" => EventKind::PoolPut,
-        "pool_deleted" => EventKind::PoolDeleted,
-        "seat_acquired" => EventKind::SeatAcquired,
-        "seat_released" => EventKind::SeatReleased,
-        "seat_reclaimed" => EventKind::SeatReclaimed,
-        "job_enqueued" => EventKind::JobEnqueued,
-        "job_claimed" => EventKind::JobClaimed,
-        "job_completed" => EventKind::JobCompleted,
-        "job_failed" => EventKind::JobFailed,
-        "job_recovered" => EventKind::JobRecovered,
-        "job_released" => EventKind::JobReleased,
-        "job_requeued" => EventKind::JobRequeued,
-        "token_floor_raised" => EventKind::TokenFloorRaised,
-        _ => return None,
-    })
-}
-
-fn end_reason(text: &str) -> Option<EndReason> {
-    match text {
-        "closed" => Some(EndReason::Closed),
-        "expired" => Some(EndReason::Expired),
-        "admin" => Some(EndReason::Admin),
-        _ => None,
-    }
-}
-
 impl EventOut {
     fn event(self) -> Option<Event> {
-        let Some(kind) = event_kind(&self.kind) else {
+        let Some(kind) = EventKind::from_name(&self.kind) else {
             tracing::warn!(kind = %self.kind, "skipping an event of unknown kind");
             return None;
         };
@@ -405,7 +371,7 @@ impl EventOut {
             .and_then(|s| SessionId::parse("session_id", s).ok());
         e.key = self.key;
         e.token = self.token.map(Token);
-        e.reason = self.reason.as_deref().and_then(end_reason);
+        e.reason = self.reason.as_deref().and_then(EndReason::from_name);
         e.owner = self.owner;
         e.released = self
             .rk
