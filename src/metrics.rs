@@ -95,7 +95,49 @@ pub struct Metrics {
     pub backend_durability: Family<ClassLabel, Gauge>,
 }
 
+/// What ending sessions together freed, as a backend that ends many in one statement or
+/// script reports it.
+pub struct EndCounts<'a> {
+    /// Sessions ended, by reason: closed, expired, by an operator.
+    pub by_reason: [u64; 3],
+    pub locks: u64,
+    pub seats: u64,
+    pub recovered: u64,
+    /// The reason of each job failed by the ends.
+    pub failed: &'a [String],
+}
+
 impl Metrics {
+    /// Counts sessions ended together: the session and lock gauges, the end counters by
+    /// reason, locks freed by expiry (when every end was an expiry), seats reclaimed and
+    /// jobs recovered or failed. Per-pool and per-queue gauges are the caller's.
+    pub fn count_ends(&self, e: EndCounts<'_>) {
+        let sessions: u64 = e.by_reason.iter().sum();
+        self.sessions_active.dec_by(sessions as i64);
+        self.locks_held.dec_by(e.locks as i64);
+        for (reason, n) in crate::domain::EndReason::ALL.into_iter().zip(e.by_reason) {
+            if n > 0 {
+                self.sessions_ended
+                    .get_or_create(&ReasonLabel {
+                        reason: reason.as_str().into(),
+                    })
+                    .inc_by(n);
+            }
+        }
+        if e.by_reason[1] == sessions {
+            self.locks_released_by_expiry.inc_by(e.locks);
+        }
+        self.seats_reclaimed.inc_by(e.seats);
+        self.jobs_recovered.inc_by(e.recovered);
+        for reason in e.failed {
+            self.jobs_failed
+                .get_or_create(&ReasonLabel {
+                    reason: reason.clone(),
+                })
+                .inc();
+        }
+    }
+
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("leasehold");
         let m = Metrics {

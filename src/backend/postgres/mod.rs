@@ -76,7 +76,7 @@ use crate::domain::{
     EndReason, Event, Finish, JobId, JobRecord, JobStatus, LockKey, LockRecord, Mono, NewJob,
     PoolName, PoolPut, QueueName, SessionId, Token,
 };
-use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
+use crate::metrics::{EndCounts, Metrics, PoolLabel, QueueStateLabels};
 pub use errors::{PgError, chain, redact};
 pub use schema::MigrateError;
 use sessions::Ended;
@@ -593,10 +593,14 @@ impl Postgres {
     }
 
     pub(crate) fn tally(&self, ended: &[Ended]) {
-        let m = &self.inner.metrics;
         for e in ended {
-            m.sessions_active.dec_by(e.sessions() as i64);
-            m.locks_held.dec_by(e.locks as i64);
+            self.inner.metrics.count_ends(EndCounts {
+                by_reason: e.by_reason,
+                locks: e.locks as u64,
+                seats: e.seats as u64,
+                recovered: e.recovered as u64,
+                failed: &e.failed,
+            });
             if let Some(freed) = &e.listed {
                 for pool in &freed.pools {
                     self.gauge_seats(pool, -1);
@@ -609,30 +613,6 @@ impl Postgres {
                     self.gauge_queue(queue, "claimed", -1);
                     self.gauge_queue(queue, "failed", 1);
                 }
-            }
-            for (reason, n) in [EndReason::Closed, EndReason::Expired, EndReason::Admin]
-                .into_iter()
-                .zip(e.by_reason)
-            {
-                if n > 0 {
-                    m.sessions_ended
-                        .get_or_create(&ReasonLabel {
-                            reason: reason.as_str().into(),
-                        })
-                        .inc_by(n);
-                }
-            }
-            if e.by_reason[1] as usize == e.sessions() {
-                m.locks_released_by_expiry.inc_by(e.locks as u64);
-            }
-            m.seats_reclaimed.inc_by(e.seats as u64);
-            m.jobs_recovered.inc_by(e.recovered as u64);
-            for reason in &e.failed {
-                m.jobs_failed
-                    .get_or_create(&ReasonLabel {
-                        reason: reason.clone(),
-                    })
-                    .inc();
             }
         }
     }

@@ -59,7 +59,7 @@ use crate::domain::{
     LockKey, LockRecord, Mono, NewJob, PoolName, PoolPut, QueueCounts, QueueName, ReleasedLock,
     SeatRecord, SessionId, SessionRecord, Token, UnixMs,
 };
-use crate::metrics::{Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
+use crate::metrics::{EndCounts, Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
 pub use durability::Durability;
 
 /// The script that carries every operation.
@@ -611,9 +611,13 @@ impl Redis {
     }
 
     fn tally(&self, e: &Ended) {
-        let m = &self.inner.metrics;
-        m.sessions_active.dec_by(e.sessions() as i64);
-        m.locks_held.dec_by(e.locks as i64);
+        self.inner.metrics.count_ends(EndCounts {
+            by_reason: e.by,
+            locks: e.locks as u64,
+            seats: e.seats as u64,
+            recovered: e.recovered as u64,
+            failed: &e.failed,
+        });
         if e.listed {
             for pool in &e.pools {
                 self.gauge_seats(pool, -1);
@@ -626,30 +630,6 @@ impl Redis {
                 self.gauge_queue(queue, "claimed", -1);
                 self.gauge_queue(queue, "failed", 1);
             }
-        }
-        for (reason, n) in [EndReason::Closed, EndReason::Expired, EndReason::Admin]
-            .into_iter()
-            .zip(e.by)
-        {
-            if n > 0 {
-                m.sessions_ended
-                    .get_or_create(&ReasonLabel {
-                        reason: reason.as_str().into(),
-                    })
-                    .inc_by(n);
-            }
-        }
-        if e.by[1] as usize == e.sessions() {
-            m.locks_released_by_expiry.inc_by(e.locks as u64);
-        }
-        m.seats_reclaimed.inc_by(e.seats as u64);
-        m.jobs_recovered.inc_by(e.recovered as u64);
-        for reason in &e.failed {
-            m.jobs_failed
-                .get_or_create(&ReasonLabel {
-                    reason: reason.clone(),
-                })
-                .inc();
         }
     }
 
