@@ -20,9 +20,10 @@ use parking_lot::Mutex;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Notify, watch};
 
-use crate::backend::BackendError;
+use crate::backend::{BackendError, Claimed, Granted};
 use crate::clock::Clock;
 use crate::domain::{LockKey, Mono, PoolName, QueueName};
+use crate::metrics::Metrics;
 
 /// How often a waiter looks at the clock for its deadline.
 pub const POLL: Duration = Duration::from_millis(100);
@@ -172,6 +173,77 @@ impl Waiting {
             resource: resource.clone(),
             id,
             notify,
+        }
+    }
+
+    /// A lock acquire in its key's line: the grant, or `LockHeld` when the wait ends without
+    /// it. For backends whose attempts go to a shared store (PostgreSQL, Redis).
+    pub async fn lock<F, Fut>(
+        &self,
+        key: LockKey,
+        deadline: Option<Mono>,
+        attempt: F,
+    ) -> Result<Granted, BackendError>
+    where
+        F: FnMut(bool) -> Fut,
+        Fut: Future<Output = Result<Step<Granted, ()>, BackendError>>,
+    {
+        match self.run(Resource::Lock(key), deadline, attempt).await? {
+            Step::Done(g) => Ok(g),
+            Step::Busy(()) | Step::Room(()) => Err(BackendError::LockHeld),
+        }
+    }
+
+    /// A seat request in its pool's line: the grant (its wait observed in `seat_wait_seconds`),
+    /// or `PoolExhausted` with what the last try saw (counted in `seats_refused`).
+    pub async fn seat<F, Fut>(
+        &self,
+        pool: PoolName,
+        deadline: Option<Mono>,
+        metrics: &Metrics,
+        attempt: F,
+    ) -> Result<Granted, BackendError>
+    where
+        F: FnMut(bool) -> Fut,
+        Fut: Future<Output = Result<Step<Granted, (u32, usize)>, BackendError>>,
+    {
+        let started = Instant::now();
+        match self.run(Resource::Pool(pool), deadline, attempt).await? {
+            Step::Done(g) => {
+                metrics
+                    .seat_wait_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                Ok(g)
+            }
+            Step::Busy((capacity, in_use)) | Step::Room((capacity, in_use)) => {
+                metrics.seats_refused.inc();
+                Err(BackendError::PoolExhausted { capacity, in_use })
+            }
+        }
+    }
+
+    /// A claim in its queue's line: the job (its wait observed in `claim_wait_seconds`), or
+    /// `None` when the wait ends with nothing to claim.
+    pub async fn claim<F, Fut>(
+        &self,
+        queue: QueueName,
+        deadline: Option<Mono>,
+        metrics: &Metrics,
+        attempt: F,
+    ) -> Result<Option<Claimed>, BackendError>
+    where
+        F: FnMut(bool) -> Fut,
+        Fut: Future<Output = Result<Step<Claimed, ()>, BackendError>>,
+    {
+        let started = Instant::now();
+        match self.run(Resource::Queue(queue), deadline, attempt).await? {
+            Step::Done(c) => {
+                metrics
+                    .claim_wait_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                Ok(Some(c))
+            }
+            Step::Busy(()) | Step::Room(()) => Ok(None),
         }
     }
 

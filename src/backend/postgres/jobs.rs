@@ -180,26 +180,18 @@ impl Postgres {
         queue: QueueName,
         wait_ms: u64,
     ) -> Result<Option<Claimed>> {
-        let started = std::time::Instant::now();
         let deadline = self.wait_deadline(wait_ms);
-        let step = self
+        let claimed = self
             .waiting()
-            .run(Resource::Queue(queue.clone()), deadline, |may_take| {
+            .claim(queue.clone(), deadline, &self.inner.metrics, |may_take| {
                 self.try_claim(id, &queue, may_take)
             })
             .await?;
-        match step {
-            Step::Done(c) => {
-                self.gauge_queue(queue.as_str(), "queued", -1);
-                self.gauge_queue(queue.as_str(), "claimed", 1);
-                self.inner
-                    .metrics
-                    .claim_wait_seconds
-                    .observe(started.elapsed().as_secs_f64());
-                Ok(Some(c))
-            }
-            Step::Busy(()) | Step::Room(()) => Ok(None),
+        if claimed.is_some() {
+            self.gauge_queue(queue.as_str(), "queued", -1);
+            self.gauge_queue(queue.as_str(), "claimed", 1);
         }
+        Ok(claimed)
     }
 
     async fn try_claim(

@@ -132,16 +132,11 @@ fn prefix_pattern(text: &str) -> String {
 impl Postgres {
     pub async fn acquire(&self, id: SessionId, key: LockKey, wait_ms: u64) -> Result<Granted> {
         let deadline = self.wait_deadline(wait_ms);
-        let step = self
-            .waiting()
-            .run(Resource::Lock(key.clone()), deadline, |may_take| {
+        self.waiting()
+            .lock(key.clone(), deadline, |may_take| {
                 self.try_acquire(id, &key, may_take)
             })
-            .await?;
-        match step {
-            Step::Done(g) => Ok(g),
-            Step::Busy(()) | Step::Room(()) => Err(BackendError::LockHeld),
-        }
+            .await
     }
 
     /// One attempt. `may_take` false (others wait ahead on this node) still returns the

@@ -221,27 +221,12 @@ impl Postgres {
         if let Some(m) = &metadata {
             self.config().limits.metadata(m)?;
         }
-        let started = std::time::Instant::now();
         let deadline = self.wait_deadline(wait_ms);
-        let step = self
-            .waiting()
-            .run(Resource::Pool(pool.clone()), deadline, |may_take| {
+        self.waiting()
+            .seat(pool.clone(), deadline, &self.inner.metrics, |may_take| {
                 self.try_seat(id, &pool, &metadata, may_take)
             })
-            .await?;
-        match step {
-            Step::Done(g) => {
-                self.inner
-                    .metrics
-                    .seat_wait_seconds
-                    .observe(started.elapsed().as_secs_f64());
-                Ok(g)
-            }
-            Step::Busy((capacity, in_use)) | Step::Room((capacity, in_use)) => {
-                self.inner.metrics.seats_refused.inc();
-                Err(BackendError::PoolExhausted { capacity, in_use })
-            }
-        }
+            .await
     }
 
     async fn try_seat(

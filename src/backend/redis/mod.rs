@@ -1149,17 +1149,12 @@ impl Backend for Redis {
 
     async fn acquire(&self, id: SessionId, key: LockKey, wait_ms: u64) -> Result<Granted> {
         let deadline = self.wait_deadline(wait_ms);
-        let step = self
-            .inner
+        self.inner
             .waiting
-            .run(Resource::Lock(key.clone()), deadline, |may_take| {
+            .lock(key.clone(), deadline, |may_take| {
                 self.try_acquire(id, &key, may_take)
             })
-            .await?;
-        match step {
-            Step::Done(g) => Ok(g),
-            Step::Busy(()) | Step::Room(()) => Err(BackendError::LockHeld),
-        }
+            .await
     }
 
     async fn release(&self, id: SessionId, key: LockKey, token: Token) -> Result<u64> {
@@ -1368,28 +1363,13 @@ impl Backend for Redis {
             self.inner.config.limits.metadata(m)?;
         }
         let metadata = metadata.unwrap_or_default();
-        let started = Instant::now();
         let deadline = self.wait_deadline(wait_ms);
-        let step = self
-            .inner
+        self.inner
             .waiting
-            .run(Resource::Pool(pool.clone()), deadline, |may_take| {
+            .seat(pool.clone(), deadline, &self.inner.metrics, |may_take| {
                 self.try_seat(id, &pool, &metadata, may_take)
             })
-            .await?;
-        match step {
-            Step::Done(g) => {
-                self.inner
-                    .metrics
-                    .seat_wait_seconds
-                    .observe(started.elapsed().as_secs_f64());
-                Ok(g)
-            }
-            Step::Busy((capacity, in_use)) | Step::Room((capacity, in_use)) => {
-                self.inner.metrics.seats_refused.inc();
-                Err(BackendError::PoolExhausted { capacity, in_use })
-            }
-        }
+            .await
     }
 
     async fn release_seat(&self, id: SessionId, pool: PoolName, token: Token) -> Result<u64> {
@@ -1444,27 +1424,19 @@ impl Backend for Redis {
         queue: QueueName,
         wait_ms: u64,
     ) -> Result<Option<Claimed>> {
-        let started = Instant::now();
         let deadline = self.wait_deadline(wait_ms);
-        let step = self
+        let claimed = self
             .inner
             .waiting
-            .run(Resource::Queue(queue.clone()), deadline, |may_take| {
+            .claim(queue.clone(), deadline, &self.inner.metrics, |may_take| {
                 self.try_claim(id, &queue, may_take)
             })
             .await?;
-        match step {
-            Step::Done(c) => {
-                self.gauge_queue(queue.as_str(), "queued", -1);
-                self.gauge_queue(queue.as_str(), "claimed", 1);
-                self.inner
-                    .metrics
-                    .claim_wait_seconds
-                    .observe(started.elapsed().as_secs_f64());
-                Ok(Some(c))
-            }
-            Step::Busy(()) | Step::Room(()) => Ok(None),
+        if claimed.is_some() {
+            self.gauge_queue(queue.as_str(), "queued", -1);
+            self.gauge_queue(queue.as_str(), "claimed", 1);
         }
+        Ok(claimed)
     }
 
     async fn finish_job(
