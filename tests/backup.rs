@@ -46,6 +46,18 @@ fn path_arg(p: &Path) -> String {
     p.to_str().unwrap().to_string()
 }
 
+/// `leasehold backup --server URL --out FILE`: its exit code, stdout and stderr.
+async fn backup(s: &TestServer, file: &Path) -> (i32, String, String) {
+    run(vec![
+        "backup".into(),
+        "--server".into(),
+        s.url(),
+        "--out".into(),
+        path_arg(file),
+    ])
+    .await
+}
+
 /// One acknowledged grant of the writer, and how long the acquire took.
 #[derive(Clone)]
 struct Ack {
@@ -185,14 +197,7 @@ async fn backup_under_write_load_restores_with_every_new_token_above_all_issued(
     let file = out.path().join("snapshot.redb");
     phase.store(1, Ordering::SeqCst);
     let started = Instant::now();
-    let (code, stdout, stderr) = run(vec![
-        "backup".into(),
-        "--server".into(),
-        s.url(),
-        "--out".into(),
-        path_arg(&file),
-    ])
-    .await;
+    let (code, stdout, stderr) = backup(&s, &file).await;
     let backup_took = started.elapsed();
     phase.store(2, Ordering::SeqCst);
     assert_eq!(code, 0, "{stdout}{stderr}");
@@ -279,14 +284,7 @@ async fn without_a_margin_only_the_last_token_issued_keeps_tokens_new() {
     take(&s, "before", &a).await;
     let out = tempfile::tempdir().unwrap();
     let file = out.path().join("b.redb");
-    let (code, stdout, stderr) = run(vec![
-        "backup".into(),
-        "--server".into(),
-        s.url(),
-        "--out".into(),
-        path_arg(&file),
-    ])
-    .await;
+    let (code, stdout, stderr) = backup(&s, &file).await;
     assert_eq!(code, 0, "{stdout}{stderr}");
     let mut last = 0;
     for i in 0..5 {
@@ -343,14 +341,7 @@ async fn restore_refuses_what_it_cannot_restore_safely_and_loses_nothing() {
     take(&s, "k", &a).await;
     let out = tempfile::tempdir().unwrap();
     let file = out.path().join("b.redb");
-    let (code, o, e) = run(vec![
-        "backup".into(),
-        "--server".into(),
-        s.url(),
-        "--out".into(),
-        path_arg(&file),
-    ])
-    .await;
+    let (code, o, e) = backup(&s, &file).await;
     assert_eq!(code, 0, "{o}{e}");
     s.stop().await;
 
