@@ -13,7 +13,7 @@ use super::gate::Caller;
 use super::jobs::JobPath;
 use super::sessions::{CloseResponse, end};
 use super::wire::HeldLock;
-use super::{AppState, audit};
+use super::{AppState, acting, audit};
 use crate::auth::Scope;
 use crate::backend::BackendError;
 use crate::domain::{EndReason, JobOutcome};
@@ -50,7 +50,7 @@ async fn requeue(
         }
     }
     audit(&caller, "job_requeue", &job);
-    let revision = app.engine.requeue(job).await?;
+    let revision = acting(&app, &caller).requeue(job).await?;
     Ok(Json(RequeueResponse {
         job_id: job.to_string(),
         state: "queued",
@@ -65,7 +65,7 @@ async fn end_session(
 ) -> Result<Json<CloseResponse>, ApiError> {
     caller.unscoped("force-ending a session")?;
     audit(&caller, "session_end", &id);
-    end(&app, id, EndReason::Admin).await
+    end(&acting(&app, &caller), id, EndReason::Admin).await
 }
 
 #[derive(Deserialize)]
@@ -164,7 +164,7 @@ async fn reap(
             sessions,
         }));
     }
-    let outcome = app.engine.reap_now().await?;
+    let outcome = acting(&app, &caller).reap_now().await?;
     Ok(Json(ReapResponse::Done {
         dry_run: false,
         sessions_ended: outcome.sessions,
@@ -200,7 +200,7 @@ async fn raise_token_floor(
     Body(req): Body<FloorRequest>,
 ) -> Result<Json<FloorResponse>, ApiError> {
     audit(&caller, "token_floor_raise", &req.floor.0);
-    let r = app.engine.raise_token_floor(req.floor.0).await?;
+    let r = acting(&app, &caller).raise_token_floor(req.floor.0).await?;
     Ok(Json(FloorResponse {
         floor: r.floor,
         previous: r.previous,

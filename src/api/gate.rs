@@ -29,6 +29,15 @@ impl Caller {
         }
     }
 
+    /// The name an operator or admin action's audit events carry as `actor`: the token's
+    /// (never its secret), or none when no tokens are configured.
+    pub fn actor(&self) -> Option<Arc<str>> {
+        match self {
+            Caller::Open => None,
+            Caller::Token(t) => Some(Arc::from(t.name.as_str())),
+        }
+    }
+
     /// A name outside the token's scopes is `403 forbidden`, naming the parameter.
     pub fn scope(&self, scope: Scope, field: &'static str, name: &str) -> Result<(), ApiError> {
         match self {

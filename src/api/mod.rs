@@ -126,6 +126,12 @@ pub fn audit(caller: &gate::Caller, action: &str, target: &impl std::fmt::Displa
     tracing::info!(target: "leasehold::audit", token = caller.name(), action, %target, "admin action");
 }
 
+/// The engine acting for `caller`, for an operator or admin action: the audit events the
+/// action writes name the caller's token as `actor`.
+pub fn acting(app: &AppState, caller: &gate::Caller) -> crate::engine::Engine {
+    app.engine.acting_as(caller.actor())
+}
+
 /// Every route of the API, with the body limit, request metrics and panic catching.
 pub fn router(engine: Engine, limits: ApiLimits) -> Router {
     let state = AppState {

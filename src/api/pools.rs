@@ -10,7 +10,7 @@ use super::error::ApiError;
 use super::extract::{Body, KeyPath, Whole, metadata, session_id, whole};
 use super::gate::Caller;
 use super::wire::json_or_null;
-use super::{AppState, audit, wait_slot};
+use super::{AppState, acting, audit, wait_slot};
 use crate::auth::Scope;
 use crate::domain::Token;
 
@@ -48,8 +48,7 @@ async fn put(
 ) -> Result<(StatusCode, Json<PutResponse>), ApiError> {
     let metadata = metadata(req.metadata)?;
     audit(&caller, "pool_put", &pool);
-    let put = app
-        .engine
+    let put = acting(&app, &caller)
         .put_pool(pool.clone(), req.capacity.0, metadata)
         .await?;
     let status = if put.created {
@@ -170,7 +169,7 @@ async fn delete(
     KeyPath(pool): KeyPath,
 ) -> Result<Json<DeleteResponse>, ApiError> {
     audit(&caller, "pool_delete", &pool);
-    let revision = app.engine.delete_pool(pool).await?;
+    let revision = acting(&app, &caller).delete_pool(pool).await?;
     Ok(Json(DeleteResponse {
         deleted: true,
         revision,

@@ -101,12 +101,13 @@ pub struct CloseResponse {
 }
 
 /// Ends a session for `reason`; shared with the admin route.
+/// Ends a session through `engine` (acting for an operator for a forced end).
 pub async fn end(
-    app: &AppState,
+    engine: &crate::engine::Engine,
     id: crate::domain::SessionId,
     reason: EndReason,
 ) -> Result<Json<CloseResponse>, ApiError> {
-    let closed = app.engine.end(id, reason).await?;
+    let closed = engine.end(id, reason).await?;
     Ok(Json(match closed {
         Some(c) => CloseResponse {
             released: c.released,
@@ -118,7 +119,7 @@ pub async fn end(
             released: 0,
             seats_released: 0,
             jobs_settled: 0,
-            revision: app.engine.revision().await?,
+            revision: engine.revision().await?,
         },
     }))
 }
@@ -129,7 +130,8 @@ async fn close(
     SessionPath(id): SessionPath,
 ) -> Result<Json<CloseResponse>, ApiError> {
     caller.act(id)?;
-    end(&app, id, EndReason::Closed).await
+    // A client's close of its own session names nobody: only operator actions do.
+    end(&app.engine, id, EndReason::Closed).await
 }
 
 async fn show(

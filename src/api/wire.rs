@@ -119,6 +119,9 @@ pub struct AuditEvent {
     pub job_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// The API token of the operator or admin action that wrote the event.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub actor: Option<String>,
 }
 
 impl From<Event> for AuditEvent {
@@ -152,6 +155,7 @@ impl From<Event> for AuditEvent {
             detail: e
                 .detail
                 .filter(|_| e.kind != crate::domain::EventKind::JobFailed),
+            actor: e.actor,
         }
     }
 }

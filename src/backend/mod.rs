@@ -60,6 +60,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn begin_drain(&self);
     /// Stops the background tasks and releases the backend's resources. Blocking.
     fn shutdown(&self);
+    /// The same backend, whose calls name the API token `actor` in the audit events they
+    /// write of the kinds an operator's call names (`EventKind::names_actor`); `None` names
+    /// nobody. The API takes one for each operator and admin action.
+    fn acting_as(&self, actor: Option<Arc<str>>) -> Self;
 
     /// Opens a session. The id is new and never reused.
     fn open(

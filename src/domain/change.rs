@@ -136,6 +136,26 @@ impl EventKind {
         }
     }
 
+    /// Whether an operator's or admin's call that writes an event of this kind names its
+    /// token in it (`Event::actor`): the ends, reclaims and settlements of a forced end or a
+    /// manual reap, and the pool, requeue and floor actions. Grants a waiter receives because
+    /// an operator freed something (`lock_acquired`, `seat_acquired`, `job_claimed`) are the
+    /// waiter's own and never name the operator.
+    pub fn names_actor(self) -> bool {
+        matches!(
+            self,
+            EventKind::SessionEndedByAdmin
+                | EventKind::SessionExpired
+                | EventKind::SeatReclaimed
+                | EventKind::JobRecovered
+                | EventKind::JobFailed
+                | EventKind::PoolPut
+                | EventKind::PoolDeleted
+                | EventKind::JobRequeued
+                | EventKind::TokenFloorRaised
+        )
+    }
+
     pub fn for_end(reason: EndReason) -> EventKind {
         match reason {
             EndReason::Closed => EventKind::SessionClosed,
@@ -170,6 +190,11 @@ pub struct Event {
     /// Free text: why a job failed (`max_recoveries_exceeded`, `not_idempotent`, or the
     /// worker's own reason), a pool's new capacity, and the like.
     pub detail: Option<String>,
+    /// The name of the API token whose operator or admin call wrote this event (never its
+    /// secret); `None` for what clients and the background reaper do, and when the server
+    /// runs without tokens. Appended after 0.1.0: the embedded store writes events with it
+    /// in record format 2 and still reads format 1 (see its codec).
+    pub actor: Option<String>,
 }
 
 impl Event {
@@ -189,6 +214,15 @@ impl Event {
             queue: None,
             job_id: None,
             detail: None,
+            actor: None,
+        }
+    }
+
+    /// Names `actor` in the event if its kind is one an operator's call names (see
+    /// [`EventKind::names_actor`]).
+    pub fn stamp(&mut self, actor: &str) {
+        if self.kind.names_actor() {
+            self.actor = Some(actor.to_string());
         }
     }
 }

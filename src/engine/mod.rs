@@ -79,6 +79,12 @@ impl Engine {
         each!(self, b => b.shutdown())
     }
 
+    /// The same engine acting for the API token `actor`: the audit events its operator
+    /// calls write name it (see `EventKind::names_actor`).
+    pub fn acting_as(&self, actor: Option<Arc<str>>) -> Engine {
+        each!(self, b => Backend::acting_as(b, actor).into())
+    }
+
     pub async fn open(
         &self,
         owner: String,

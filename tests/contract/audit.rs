@@ -432,3 +432,131 @@ pub async fn a_real_reap_reports_the_seats_and_jobs_it_settled(s: &TestServer) {
     assert_eq!(real.body["seats_released"], 2, "{}", real.text);
     assert_eq!(real.body["jobs_settled"], 2, "{}", real.text);
 }
+
+/// The API tokens of [`operator_and_admin_actions_name_their_token`], by name and role.
+const ACTORS: [(&str, leasehold::auth::Role, &str); 3] = [
+    (
+        "app",
+        leasehold::auth::Role::Client,
+        "lh_contract-client-secret",
+    ),
+    (
+        "ops-on-call",
+        leasehold::auth::Role::Operator,
+        "lh_contract-operator-secret",
+    ),
+    (
+        "root.admin",
+        leasehold::auth::Role::Admin,
+        "lh_contract-admin-secret",
+    ),
+];
+
+/// Serves with the tokens of [`ACTORS`].
+pub fn with_actor_tokens(c: &mut leasehold::config::Config) {
+    use leasehold::auth::{self, TokenEntry, TokensFile};
+    let mut file = TokensFile::default();
+    for (name, role, secret) in ACTORS {
+        file.token.push(TokenEntry {
+            name: name.into(),
+            role,
+            hash: auth::hash_text(&auth::hash(secret)),
+            keys: None,
+            pools: None,
+            queues: None,
+            created_at: 0,
+        });
+    }
+    let path = tempfile::tempdir().unwrap().keep().join("tokens.toml");
+    file.write(&path).unwrap();
+    c.tokens_file = Some(path);
+}
+
+/// Makes the server's client call with the token named `name`.
+fn call_as(s: &mut TestServer, name: &str) {
+    let secret = ACTORS.iter().find(|(n, _, _)| *n == name).unwrap().2;
+    s.client = leasehold::client::Client::new(&s.url())
+        .unwrap()
+        .with_token(Some(secret.to_string()))
+        .unwrap();
+}
+
+/// Every operator and admin action's audit event names the token that did it (its name,
+/// never its secret): a forced end, a manual reap (the expiry, the seat reclaimed, the job
+/// settled), a requeue, a pool's create, resize and delete, and a token-floor raise. What a
+/// client does through its own session (open, take, close and what the close settles) names
+/// nobody.
+pub async fn operator_and_admin_actions_name_their_token(s: &mut TestServer) {
+    call_as(s, "ops-on-call");
+    make_pool(s, "licences", 1).await;
+    make_pool(s, "licences", 2).await;
+
+    call_as(s, "app");
+    let a = s.open("alice", 60_000).await;
+    take(s, "k1", &a).await;
+    let b = s.open("bob", 1_000).await;
+    seat(s, "licences", &b).await;
+    let doomed = enqueue(s, "q", json!({"payload": "p", "idempotent": false})).await;
+    let w = s.open("worker", 60_000).await;
+    claim_job(s, "q", &w).await;
+    // The worker's own close fails its non-idempotent job: a client action.
+    close(s, &w).await;
+    let recovered = enqueue(s, "r", json!({"payload": "p", "idempotent": true})).await;
+    claim_job(s, "r", &b).await;
+
+    call_as(s, "ops-on-call");
+    admin_end(s, &a).await;
+    s.advance(1_000).await;
+    assert_eq!(s.reap().await.body["sessions_ended"], 1);
+    assert_eq!(requeue(s, &doomed).await.status, 200);
+    assert_eq!(s.delete(&pool_path("licences")).await.status, 200);
+
+    call_as(s, "root.admin");
+    let floor = s
+        .post("/v1/admin/tokens/floor", json!({"floor": 1_000_000}))
+        .await;
+    assert_eq!(floor.status, 200, "{}", floor.text);
+
+    let ev = all_events(s).await;
+    let text = serde_json::to_string(&ev).unwrap();
+    for (_, _, secret) in ACTORS {
+        assert!(!text.contains(secret), "a secret is in the audit log");
+    }
+    let named: Vec<(String, Value)> = ev
+        .iter()
+        .map(|e| (e["kind"].as_str().unwrap().to_string(), e["actor"].clone()))
+        .collect();
+    let ops = json!("ops-on-call");
+    let nobody = Value::Null;
+    let want = [
+        ("pool_put", &ops),
+        ("pool_put", &ops),
+        ("session_opened", &nobody),
+        ("lock_acquired", &nobody),
+        ("session_opened", &nobody),
+        ("seat_acquired", &nobody),
+        ("job_enqueued", &nobody),
+        ("session_opened", &nobody),
+        ("job_claimed", &nobody),
+        ("job_failed", &nobody),
+        ("session_closed", &nobody),
+        ("job_enqueued", &nobody),
+        ("job_claimed", &nobody),
+        ("session_ended_by_admin", &ops),
+        ("seat_reclaimed", &ops),
+        ("job_recovered", &ops),
+        ("session_expired", &ops),
+        ("job_requeued", &ops),
+        ("pool_deleted", &ops),
+        ("token_floor_raised", &json!("root.admin")),
+    ];
+    let want: Vec<(String, Value)> = want
+        .iter()
+        .map(|(k, a)| (k.to_string(), (*a).clone()))
+        .collect();
+    assert_eq!(named, want, "{text}");
+    assert_eq!(
+        of_kind(&ev, "job_recovered")[0]["job_id"],
+        recovered.as_str()
+    );
+}

@@ -143,6 +143,7 @@ contract! {
         dry_run_reap_changes_nothing_then_a_real_reap_ends_them,
         the_dry_run_changes_nothing_and_lists_seats_and_job_actions,
         a_real_reap_reports_the_seats_and_jobs_it_settled,
+        operator_and_admin_actions_name_their_token with crate::audit::with_actor_tokens,
     }
     pools {
         pool_create_resize_show_list_delete,

@@ -203,6 +203,16 @@ impl Writer {
                 self.trim_events = true;
                 pend(&mut self.pending, reply, Ok(outcome));
             }
+            Command::As { actor, cmd } => {
+                // Only the events this command appends: the batch holds others' too.
+                let from = self.fx.changes.len();
+                self.apply(state, waiters, *cmd, at);
+                for change in &mut self.fx.changes[from..] {
+                    if let Change::Event(e) = change {
+                        e.stamp(&actor);
+                    }
+                }
+            }
             Command::Drain => {
                 for w in waiters.drain() {
                     w.want.fail(BackendError::ShuttingDown);

@@ -109,6 +109,12 @@ pub enum Command {
         size: PassSize,
         reply: Reply<ReapOutcome>,
     },
+    /// `cmd`, on behalf of the API token named `actor`: the events it writes of the kinds
+    /// an operator's call names carry that name.
+    As {
+        actor: std::sync::Arc<str>,
+        cmd: Box<Command>,
+    },
     /// Answer every waiter `ShuttingDown` now, so a drain does not wait out long polls.
     Drain,
     /// Finish what is queued before this, then exit.
@@ -165,6 +171,7 @@ pub fn refuse(cmd: Command, e: BackendError) {
         Command::Claim { reply, .. } => no(reply, e),
         Command::Reap { reply, .. } => no(reply, e),
         Command::RaiseTokenFloor { reply, .. } => no(reply, e),
+        Command::As { cmd, .. } => refuse(*cmd, e),
         Command::Drain | Command::Stop => {}
     }
 }

@@ -64,6 +64,8 @@ pub struct Embedded {
     shared: Arc<Shared>,
     tx: Sender<Command>,
     threads: Arc<Mutex<Threads>>,
+    /// The token the calls of this handle act for (see [`Embedded::acting_as`]).
+    actor: Option<Arc<str>>,
 }
 
 impl Embedded {
@@ -109,7 +111,17 @@ impl Embedded {
                 writer: Some(writer),
                 reaper,
             })),
+            actor: None,
         })
+    }
+
+    /// The same backend, whose calls name `actor` in the audit events they write of the
+    /// kinds an operator's call names (see `EventKind::names_actor`).
+    pub fn acting_as(&self, actor: Option<Arc<str>>) -> Embedded {
+        Embedded {
+            actor,
+            ..self.clone()
+        }
     }
 
     /// Stops the reaper, lets the writer finish what is queued, and joins both threads.
@@ -158,7 +170,14 @@ impl Embedded {
             return Err(BackendError::StoreFailed);
         }
         let (reply, rx) = oneshot::channel();
-        match self.tx.try_send(make(reply)) {
+        let cmd = match &self.actor {
+            None => make(reply),
+            Some(actor) => Command::As {
+                actor: actor.clone(),
+                cmd: Box::new(make(reply)),
+            },
+        };
+        match self.tx.try_send(cmd) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => return Err(BackendError::Overloaded(self.tx.len())),
             Err(TrySendError::Disconnected(_)) => return Err(BackendError::ShuttingDown),
@@ -172,6 +191,10 @@ impl Embedded {
 impl Backend for Embedded {
     fn config(&self) -> &EngineConfig {
         Embedded::config(self)
+    }
+
+    fn acting_as(&self, actor: Option<Arc<str>>) -> Embedded {
+        Embedded::acting_as(self, actor)
     }
 
     fn metrics(&self) -> &Arc<Metrics> {

@@ -17,7 +17,7 @@ const NUMBER: &str = "SELECT {ns}.number_events($1, $2, 10000)";
 
 const PAGE: &str = "
 SELECT seq, {ns}.ms(at), kind, session_id, key, token, reason, owner, released_keys,
-       released_tokens, pool, queue, job_id, detail
+       released_tokens, pool, queue, job_id, detail, actor
 FROM {ns}.event WHERE seq > $1 ORDER BY seq LIMIT $2";
 
 /// The oldest numbered events past the retention, a bounded batch at a time, from the
@@ -87,6 +87,7 @@ impl Postgres {
             e.queue = r.get(11);
             e.job_id = r.get::<_, Option<uuid::Uuid>>(12).map(JobId);
             e.detail = r.get(13);
+            e.actor = r.get(14);
             events.push(e);
         }
         let next = rows.last().map(|r| r.get::<_, i64>(0) as u64);

@@ -20,7 +20,7 @@ const SET_COUNTER: &str = "SELECT setval('{ns}.revision', $1, true)";
 /// The raise's own revision and its audit event.
 const RECORD: &str = "
 WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
-e AS (INSERT INTO {ns}.event (kind, detail) VALUES ('token_floor_raised', $1))
+e AS (INSERT INTO {ns}.event (kind, detail, actor) VALUES ('token_floor_raised', $1, $2::text))
 SELECT revision FROM r";
 
 impl Postgres {
@@ -37,7 +37,7 @@ impl Postgres {
             }
             let detail = floor_detail(floor, previous);
             let revision = self
-                .q_one(&tx, RECORD, &[&detail])
+                .q_one(&tx, RECORD, &[&detail, &self.actor()])
                 .await?
                 .map(|r| r.get::<_, i64>(0) as u64)
                 .ok_or(super::Fail::Answer(BackendError::Unavailable(

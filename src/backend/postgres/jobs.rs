@@ -79,7 +79,10 @@ u AS (
     WHERE id = $1
     RETURNING queue
 ),
-e AS (INSERT INTO {ns}.event (kind, job_id, queue) SELECT 'job_requeued', $1, queue FROM u)
+e AS (
+    INSERT INTO {ns}.event (kind, job_id, queue, actor)
+    SELECT 'job_requeued', $1, queue, $2::text FROM u
+)
 SELECT r.revision, u.queue::text FROM r, u";
 
 const RECORD_COLUMNS: &str = "
@@ -327,7 +330,7 @@ impl Postgres {
                 Some(r) if r.get::<_, String>(0) != "failed" => Err(BackendError::JobNotFailed),
                 Some(_) => {
                     let row = self
-                        .q_one(&tx, REQUEUE, &[&job.0])
+                        .q_one(&tx, REQUEUE, &[&job.0, &self.actor()])
                         .await?
                         .ok_or(Fail::Answer(BackendError::Unavailable(
                             "the requeue returned nothing".into(),

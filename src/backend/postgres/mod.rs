@@ -177,6 +177,9 @@ pub(crate) struct Outbox {
 #[derive(Clone)]
 pub struct Postgres {
     inner: Arc<Inner>,
+    /// The token this handle's calls act for (see `Backend::acting_as`): written into the
+    /// `actor` column of the operator events they insert.
+    actor: Option<Arc<str>>,
 }
 
 /// Why a transaction body stopped: an answer for the client (nothing committed), or a
@@ -324,6 +327,7 @@ impl Postgres {
                 outbox: Mutex::new(Outbox::default()),
                 outbox_ready: tokio::sync::Notify::new(),
             }),
+            actor: None,
         };
         match pg.bootstrap().await {
             Ok(()) => {
@@ -454,6 +458,11 @@ impl Postgres {
 
     pub(crate) async fn client(&self) -> std::result::Result<Object, PgError> {
         Ok(self.inner.pool.get().await?)
+    }
+
+    /// The token this handle's calls act for, for the `actor` column of operator events.
+    pub(crate) fn actor(&self) -> Option<&str> {
+        self.actor.as_deref()
     }
 
     /// Records a failure: a lost database makes the node unready until a probe gets through.
@@ -793,6 +802,13 @@ pub async fn check(
 impl Backend for Postgres {
     fn config(&self) -> &EngineConfig {
         &self.inner.config
+    }
+
+    fn acting_as(&self, actor: Option<Arc<str>>) -> Postgres {
+        Postgres {
+            inner: self.inner.clone(),
+            actor,
+        }
     }
 
     fn metrics(&self) -> &Arc<Metrics> {

@@ -24,7 +24,8 @@ p AS (
     SELECT $1, $2, $3::text::jsonb, revision FROM r
 ),
 e AS (
-    INSERT INTO {ns}.event (kind, pool, detail) VALUES ('pool_put', $1, 'capacity ' || $2)
+    INSERT INTO {ns}.event (kind, pool, detail, actor)
+    VALUES ('pool_put', $1, 'capacity ' || $2, $4::text)
 )
 SELECT revision FROM r";
 
@@ -37,7 +38,8 @@ p AS (
     WHERE name = $1
 ),
 e AS (
-    INSERT INTO {ns}.event (kind, pool, detail) VALUES ('pool_put', $1, 'capacity ' || $2)
+    INSERT INTO {ns}.event (kind, pool, detail, actor)
+    VALUES ('pool_put', $1, 'capacity ' || $2, $4::text)
 )
 SELECT revision FROM r";
 
@@ -46,7 +48,7 @@ const SEATS_IN_USE: &str = "SELECT count(*) FROM {ns}.seat WHERE pool = $1";
 const DELETE: &str = "
 WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
 p AS (DELETE FROM {ns}.pool WHERE name = $1),
-e AS (INSERT INTO {ns}.event (kind, pool) VALUES ('pool_deleted', $1))
+e AS (INSERT INTO {ns}.event (kind, pool, actor) VALUES ('pool_deleted', $1, $2::text))
 SELECT revision FROM r";
 
 /// With the pool row locked: the caller's liveness, its seat if it has one, the seats in
@@ -148,7 +150,11 @@ impl Postgres {
                 .is_some_and(|r| r.get::<_, i32>(0) < capacity);
             let statement = if created { CREATE } else { RESIZE };
             let row = self
-                .q_one(&tx, statement, &[&name.as_str(), &capacity, &metadata])
+                .q_one(
+                    &tx,
+                    statement,
+                    &[&name.as_str(), &capacity, &metadata, &self.actor()],
+                )
                 .await?
                 .ok_or(Fail::Answer(BackendError::Unavailable(
                     "the pool write returned nothing".into(),
@@ -187,7 +193,7 @@ impl Postgres {
                     &tx,
                     &mut after,
                     &END_EXPIRED_SEAT_HOLDERS,
-                    &[&name.as_str()],
+                    &[&name.as_str(), &self.actor()],
                 )
                 .await?;
                 let in_use: i64 = self
@@ -197,7 +203,9 @@ impl Postgres {
                 if in_use > 0 {
                     Err(BackendError::PoolInUse(in_use as usize))
                 } else {
-                    let row = self.q_one(&tx, DELETE, &[&name.as_str()]).await?;
+                    let row = self
+                        .q_one(&tx, DELETE, &[&name.as_str(), &self.actor()])
+                        .await?;
                     // Waiters learn on their next try that the pool is gone.
                     after.freed.push(Resource::Pool(name.clone()));
                     Ok(row.map_or(0, |r| r.get::<_, i64>(0) as u64))
@@ -268,7 +276,8 @@ impl Postgres {
                                         &tx,
                                         &mut after,
                                         &END_EXPIRED_SEAT_HOLDERS,
-                                        &[&pool.as_str()],
+                                        // A client's own call: nobody to name.
+                                        &[&pool.as_str(), &None::<&str>],
                                     )
                                     .await?;
                                 in_use -= ended.sessions().min(in_use);

@@ -136,7 +136,10 @@ impl Postgres {
                 // The pass numbers its own events (see `END_DUE`): the numbering lock is held
                 // from before its statement's snapshot to its commit.
                 self.q(&tx, LOCK, &[&self.class(), &LOCK_EVENTS]).await?;
-                Some(self.end_in(&tx, &mut after, &END_DUE, &[&batch]).await?)
+                Some(
+                    self.end_in(&tx, &mut after, &END_DUE, &[&batch, &self.actor()])
+                        .await?,
+                )
             } else {
                 None
             }

@@ -61,9 +61,9 @@ jobs AS (
 ),
 {backlog}events AS (
     INSERT INTO {ns}.event (kind, session_id, token, reason, pool, queue, job_id, detail,
-                            released_keys, released_tokens, seq)
+                            released_keys, released_tokens, actor, seq)
     SELECT kind, session_id, token, reason, pool, queue, job_id, detail, keys, tokens,
-           {seq} FROM (
+           {actor}, {seq} FROM (
         SELECT e.id AS session, 1 AS part, 'seat_reclaimed' AS kind,
                e.id AS session_id, st.token, e.reason, st.pool::text AS pool, NULL::text AS queue,
                NULL::uuid AS job_id, NULL::text AS detail, NULL::text[] AS keys,
@@ -119,8 +119,11 @@ SELECT count(*) FILTER (WHERE e.reason = 'closed'),
 FROM ended e
 "#;
 
-fn end_sql(source: &str) -> String {
+/// `actor` is the SQL of the `actor` column of every event written: a parameter for the
+/// statements an operator's call runs, `NULL` for the others.
+fn end_sql(source: &str, actor: &str) -> String {
     END.replace("{source}", source)
+        .replace("{actor}", actor)
         .replace("{backlog}", "")
         .replace("{seq}", "NULL::bigint")
         .replace("{counter}", "")
@@ -134,8 +137,9 @@ fn end_sql(source: &str) -> String {
 /// written), then these events in their order. An event that commits after the snapshot was
 /// taken is concurrent with this statement and is numbered after it. A mass expiry's events
 /// are then written once, numbered, instead of written and then rewritten by the numbering.
-fn end_sql_numbered(source: &str) -> String {
+fn end_sql_numbered(source: &str, actor: &str) -> String {
     END.replace("{source}", source)
+        .replace("{actor}", actor)
         .replace(
             "{backlog}",
             "counter AS MATERIALIZED (SELECT last FROM {ns}.event_counter),
@@ -165,13 +169,14 @@ numbered AS (
         )
 }
 
-/// One session ($1), for $2 (`closed`, `admin`); a client closing a session already past
+/// One session ($1), for $2 (`closed`, `admin`), by the operator $3 if any; a client closing a session already past
 /// its deadline is recorded as what happened first: it expired.
 pub(super) static END_ONE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
         "SELECT id, ctid, CASE WHEN $2::text = 'closed' AND expires_at <= {ns}.db_now()
                          THEN 'expired' ELSE $2::text END AS reason
          FROM {ns}.session WHERE id = $1 FOR UPDATE",
+        "$3::text",
     )
 });
 
@@ -181,26 +186,30 @@ pub(super) static END_EXPIRED_ONE: LazyLock<String> = LazyLock::new(|| {
     end_sql(
         "SELECT id, ctid, 'expired'::text AS reason FROM {ns}.session
          WHERE id = $1 AND expires_at <= {ns}.db_now() FOR UPDATE",
+        "NULL::text",
     )
 });
 
-/// Up to $1 sessions past their deadline, earliest first; rows another transaction holds
+/// Up to $1 sessions past their deadline, earliest first, reaped by the operator $2 if any; rows another transaction holds
 /// (a pass on another node, a request of the session) are skipped, never waited for. Its
 /// events are numbered as they are written: the caller must hold the numbering lock.
 pub(super) static END_DUE: LazyLock<String> = LazyLock::new(|| {
     end_sql_numbered(
         "SELECT id, ctid, 'expired'::text AS reason FROM {ns}.session
          WHERE expires_at <= {ns}.db_now() ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
+        "$2::text",
     )
 });
 
-/// Every seat holder of pool $1 past its deadline.
+/// Every seat holder of pool $1 past its deadline, ended by the call of the operator $2 if any
+/// (a pool deletion) or of a client (`NULL`).
 pub(super) static END_EXPIRED_SEAT_HOLDERS: LazyLock<String> = LazyLock::new(|| {
     end_sql(
         "SELECT s.id, s.ctid, 'expired'::text AS reason FROM {ns}.session s
          WHERE s.expires_at <= {ns}.db_now()
            AND s.id IN (SELECT session_id FROM {ns}.seat WHERE pool = $1)
          ORDER BY s.id FOR UPDATE OF s",
+        "$2::text",
     )
 });
 
@@ -480,8 +489,13 @@ impl Postgres {
 
     pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
         let ended = transact!(self, |tx, after| {
-            self.end_in(&tx, &mut after, &END_ONE, &[&id.0, &reason.as_str()])
-                .await?
+            self.end_in(
+                &tx,
+                &mut after,
+                &END_ONE,
+                &[&id.0, &reason.as_str(), &self.actor()],
+            )
+            .await?
         })?;
         let closed = ended.closed();
         if let Some(c) = &closed {

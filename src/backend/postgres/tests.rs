@@ -1238,7 +1238,8 @@ async fn reaper_pass_profile() {
     };
     let pass = super::sessions::END_DUE
         .replace("{ns}", &format!("\"{}\"", h.schema.0))
-        .replace("$1", "10000");
+        .replace("$1", "10000")
+        .replace("$2::text", "NULL::text");
     println!(
         "== one reaper pass, 10 000 of {N}:\n{}",
         explain(pass).await

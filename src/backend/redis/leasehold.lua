@@ -25,6 +25,20 @@
 
 local ns = ARGV[1]
 local op = ARGV[2]
+-- >>> actor: an operator's or admin's call passes `op name`, the name of its API token
+-- (never the secret; names have no spaces). `event` writes it as `actor` into the events of
+-- the kinds in ACTOR_KINDS (those of EventKind::names_actor), and into no other.
+local ACTOR = nil
+do
+    local o, a = string.match(op, '^(%S+) (%S+)$')
+    if o then op, ACTOR = o, a end
+end
+local ACTOR_KINDS = {
+    session_ended_by_admin = true, session_expired = true, seat_reclaimed = true,
+    job_recovered = true, job_failed = true, pool_put = true, pool_deleted = true,
+    job_requeued = true, token_floor_raised = true,
+}
+-- <<< actor
 local P = ns .. ':'
 
 local K_REV = P .. '!rev'
@@ -72,6 +86,7 @@ local function event(e)
     evseq = evseq + 1
     e.seq = evseq
     e.at = NOW
+    if ACTOR and ACTOR_KINDS[e.kind] then e.actor = ACTOR end -- actor (see above)
     redis.call('XADD', K_EVENTS, string.format('%d-1', evseq), 'e', cjson.encode(e))
 end
 local function finish()

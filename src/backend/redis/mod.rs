@@ -139,6 +139,9 @@ struct Inner {
 #[derive(Clone)]
 pub struct Redis {
     inner: Arc<Inner>,
+    /// The token this handle's calls act for (see `Backend::acting_as`), handed to the script
+    /// with the operation.
+    actor: Option<Arc<str>>,
 }
 
 /// An empty Lua table is encoded as `{}`: read it as an empty list.
@@ -345,6 +348,7 @@ struct EventOut {
     queue: Option<String>,
     job: Option<String>,
     detail: Option<String>,
+    actor: Option<String>,
 }
 
 fn session_id(text: &str) -> Result<SessionId> {
@@ -389,6 +393,7 @@ impl EventOut {
             .as_deref()
             .and_then(|j| JobId::parse("job_id", j).ok());
         e.detail = self.detail;
+        e.actor = self.actor;
         Some(e)
     }
 }
@@ -443,6 +448,7 @@ impl Redis {
                 gauge_queues: Mutex::new(Vec::new()),
                 gauges_stale: AtomicBool::new(false),
             }),
+            actor: None,
         };
         match r.bootstrap(settings.allow_volatile).await {
             Ok(()) => {}
@@ -555,7 +561,13 @@ impl Redis {
         }
         let mut conn = self.inner.conn.clone();
         let mut invocation = SCRIPT.prepare_invoke();
-        invocation.arg(&self.inner.namespace).arg(op);
+        invocation.arg(&self.inner.namespace);
+        // The operation, and after a space the acting token's name (token names have no
+        // spaces): the script names it in the operator events it writes.
+        match &self.actor {
+            None => invocation.arg(op),
+            Some(actor) => invocation.arg(format!("{op} {actor}")),
+        };
         for a in &args {
             invocation.arg(a);
         }
@@ -1005,6 +1017,13 @@ fn gone_or(e: &Base) -> BackendError {
 impl Backend for Redis {
     fn config(&self) -> &EngineConfig {
         &self.inner.config
+    }
+
+    fn acting_as(&self, actor: Option<Arc<str>>) -> Redis {
+        Redis {
+            inner: self.inner.clone(),
+            actor,
+        }
     }
 
     fn metrics(&self) -> &Arc<Metrics> {

@@ -12,7 +12,7 @@ use super::tables::{
     SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, counter, row_of,
 };
 use crate::backend::CheckReport;
-use crate::domain::{Event, JobId, JobRecord, JobStatus, LockRecord, SeatRecord, SessionId};
+use crate::domain::{JobId, JobRecord, JobStatus, LockRecord, SeatRecord, SessionId};
 
 impl Store {
     /// Verifies the store's own invariants: every lock's session exists, the session → grants
@@ -156,7 +156,7 @@ impl Store {
                     "event {seq} is above the event counter {event_seq}"
                 ));
             }
-            if let Err(e) = codec::decode::<Event>(bytes.value()) {
+            if let Err(e) = codec::decode_event(bytes.value()) {
                 problems.push(format!("event {seq} does not decode: {e}"));
             }
         }

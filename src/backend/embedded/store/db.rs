@@ -78,6 +78,11 @@ impl Store {
                 .map(|v| v.value());
             match schema {
                 None | Some(SCHEMA_VERSION) => {}
+                // Its events, all of format 1, read as they are: only the stamp changes.
+                Some(2) => tracing::info!(
+                    path = %path.display(),
+                    "data file migrated from schema 2 to {SCHEMA_VERSION}"
+                ),
                 Some(1) => {
                     drop(meta);
                     let done = migrate::v1_to_v2(&txn)?;

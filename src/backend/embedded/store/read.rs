@@ -156,7 +156,7 @@ impl Store {
                 break;
             }
             let (_, bytes) = row.map_err(StoreError::redb)?;
-            out.push(codec::decode(bytes.value()).map_err(corrupt("event"))?);
+            out.push(codec::decode_event(bytes.value()).map_err(corrupt("event"))?);
         }
         Ok(out)
     }
@@ -283,7 +283,7 @@ impl Store {
         let table = txn.open_table(EVENTS).map_err(StoreError::redb)?;
         match table.first().map_err(StoreError::redb)? {
             Some((_, bytes)) => {
-                let event: Event = codec::decode(bytes.value()).map_err(corrupt("event"))?;
+                let event = codec::decode_event(bytes.value()).map_err(corrupt("event"))?;
                 Ok(Some(event.at))
             }
             None => Ok(None),

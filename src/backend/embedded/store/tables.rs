@@ -1,6 +1,6 @@
 //! The table layout of the data file, and the helpers every reader of its rows shares.
 //!
-//! Tables (schema 2):
+//! Tables (schema 3; schema 2 had the same tables, with every event in record format 1):
 //! - `meta`: the durable counters (`revision`, `event_seq`, `session_row`) and the schema
 //!   version;
 //! - `session_rows`: row number → [`SessionRow`] (the public id and its `SessionRecord`), with
@@ -88,7 +88,10 @@ pub(super) const META_REVISION: &str = "revision";
 pub(super) const META_EVENT_SEQ: &str = "event_seq";
 /// The last session row number issued; 0 before the first.
 pub(super) const META_SESSION_ROW: &str = "session_row";
-pub(super) const SCHEMA_VERSION: u64 = 2;
+/// 3: audit events may be of record format 2 (with `actor`), which a build of schema 2 cannot
+/// read; stamping the file 3 makes such a build refuse it at start instead of failing on its
+/// first event. Nothing is rewritten from 2 to 3.
+pub(super) const SCHEMA_VERSION: u64 = 3;
 
 /// A stored session: its public id travels in the row, which is keyed by row number.
 ///

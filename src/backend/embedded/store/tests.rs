@@ -378,7 +378,7 @@ fn a_file_newer_than_this_build_is_refused_untouched() {
             err,
             StoreError::Schema {
                 found: 99,
-                reads: 2
+                reads: super::tables::SCHEMA_VERSION
             }
         ),
         "{err}"

@@ -15,7 +15,7 @@ use super::tables::{
     META_SESSION_ROW, POOLS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS,
     SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowRef, corrupt, counter, row_of,
 };
-use crate::domain::{Change, Event, JobRecord, JobStatus, UnixMs};
+use crate::domain::{Change, JobRecord, JobStatus, UnixMs};
 
 /// One transaction's worth of writes.
 pub struct Batch<'a> {
@@ -253,7 +253,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                         counter: batch.event_seq,
                     });
                 }
-                let bytes = codec::encode(event);
+                let bytes = codec::encode_event(event);
                 let replaced = events
                     .insert(event.seq, bytes.as_slice())
                     .map_err(StoreError::redb)?
@@ -300,7 +300,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 break;
             }
             let (seq, bytes) = row.map_err(StoreError::redb)?;
-            let event: Event = codec::decode(bytes.value()).map_err(corrupt("event"))?;
+            let event = codec::decode_event(bytes.value()).map_err(corrupt("event"))?;
             if event.at >= before {
                 break;
             }
