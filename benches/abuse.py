@@ -13,8 +13,9 @@ interpreter lock) from another address, 127.0.0.2, as a second host would:
   expect-100    the same with `Expect: 100-continue`
   methods       8 kept-alive connections sending random made-up methods: 3 000 at once
                 before measuring, then RATE a second
-  idle-10k      10 000 connections opened and then left idle (the server keeps its
-                per-address cap of them and refuses the rest)
+  idle-10k      10 000 connections, each sending one request and then idling kept-alive
+                (the server keeps its per-address cap of them and refuses the rest), and
+                refused ones knocking again, RATE a second
   waiters       1 020 sessions waiting on one held key (1 000 are let wait, the rest are
                 refused 429 and ask again, RATE times a second between them)
 
@@ -247,31 +248,46 @@ async def methods(port, stats, ready):
 
 
 async def idle(port, stats, ready):
+    """10 000 connections, each sending one request and then idling kept-alive (so neither
+    the header-read timeout nor anything but `idle_timeout_ms` ends it); those the per-address
+    cap refuses are knocked on again, RATE a second, for as long as the case runs."""
     loop = asyncio.get_running_loop()
-    held = []
-    for _ in range(10_000):
+
+    async def opened():
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.bind((ABUSER, 0))
         try:
             await loop.sock_connect(sock, (HOST, port))
-            held.append(sock)
+            await loop.sock_sendall(sock, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+            return sock
         except (ConnectionError, OSError):
             stats["connect_errors"] += 1
             sock.close()
-    # Those over the per-address cap are answered 503 and closed: they have something to
-    # read. The others are open and idle.
+            return None
+
+    def kept(sock):
+        try:
+            return sock.recv(64, socket.MSG_PEEK).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+
+    held = [await opened() for _ in range(10_000)]
     await asyncio.sleep(2)
     for sock in held:
-        try:
-            sock.recv(1, socket.MSG_PEEK)
-            stats["refused"] += 1
-        except BlockingIOError:
+        if sock is not None and kept(sock):
             stats["kept_open"] += 1
-        except OSError:
+        else:
             stats["refused"] += 1
+            if sock is not None:
+                sock.close()
     ready.set()
-    await asyncio.sleep(3600)
+    while True:
+        sock = await opened()
+        if sock is not None:
+            await asyncio.sleep(1 / RATE)
+            stats["knocks_kept" if kept(sock) else "knocks_refused"] += 1
+            sock.close()
 
 
 async def waiters(port, stats, ready):
