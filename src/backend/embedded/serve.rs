@@ -7,6 +7,7 @@ use super::errors::{acquire_error, seat_error};
 use super::waiters::{Resource, Waiter, Waiters, Want};
 use super::writer::Writer;
 use crate::backend::BackendError;
+use crate::backend::requests::Answer;
 use crate::domain::{AcquireError, At, SeatError, State};
 
 impl Writer {
@@ -65,10 +66,15 @@ impl Writer {
             } = w;
             let fx = &mut self.fx;
             match (&resource, want) {
-                (Resource::Lock(key), Want::Lock(reply)) => {
+                (Resource::Lock(key), Want::Lock(reply, request)) => {
                     match state.acquire(session, key, at, fx) {
                         Ok(a) => {
                             self.tally.acquired += u64::from(a.fresh);
+                            let answer = Answer::Granted {
+                                token: a.token.0,
+                                revision: a.revision,
+                            };
+                            self.remember(request, &answer, at);
                             pend(&mut self.pending, reply, Ok(granted(a.token, a.revision)));
                         }
                         Err(AcquireError::Held { .. }) => {
@@ -78,7 +84,7 @@ impl Writer {
                                     id,
                                     session,
                                     deadline,
-                                    want: Want::Lock(reply),
+                                    want: Want::Lock(reply, request),
                                 },
                             );
                             return;
