@@ -84,6 +84,7 @@ pub const ALL: &[&str] = &[
     "jobs_by_state",
     "session_jobs",
     "event_hashes",
+    "request_ids",
 ];
 
 pub(super) const META_SCHEMA: &str = "schema";
@@ -135,6 +136,7 @@ pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
     f.table(JOBS_BY_STATE)?;
     f.table(SESSION_JOBS)?;
     f.table(super::chain::EVENT_HASHES)?;
+    f.table(REQUEST_IDS)?;
     Ok(())
 }
 
