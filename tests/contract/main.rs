@@ -204,6 +204,7 @@ contract! {
         a_request_id_reused_for_another_call_is_refused,
         a_request_id_is_forgotten_after_its_retention with |c| c.request_id_retention_ms = 1_000,
         concurrent_retries_with_one_request_id_act_once,
+        retries_of_a_waiting_acquire_get_its_grant,
         a_request_id_survives_a_restart,
     }
     durability {

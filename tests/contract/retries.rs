@@ -261,3 +261,23 @@ pub async fn a_request_id_survives_a_restart(s: &mut TestServer) {
     assert_eq!(r.body, got.body);
     assert_eq!(s.get("/v1/locks/k").await.body["error"], "lock_free");
 }
+
+pub async fn retries_of_a_waiting_acquire_get_its_grant(s: &TestServer) {
+    let a = s.open("a", 60_000).await;
+    let b = s.open("b", 60_000).await;
+    let tb = take(s, "k", &b).await;
+    // The first attempt waits; its client gives up and retries, and the retry waits too.
+    let body = json!({"session_id": a, "request_id": "acq-w", "wait_ms": 30_000});
+    let first = spawn_post(s, lock_path("k", "acquire"), body.clone());
+    until_waiters(s, 1).await;
+    let retry = spawn_post(s, lock_path("k", "acquire"), body);
+    until_waiters(s, 2).await;
+    assert_eq!(s.release("k", &b, tb).await.status, 200);
+    // Both are answered with the one grant, at once, not when their wait runs out.
+    let (first, retry) = (answer(first).await, answer(retry).await);
+    assert_eq!(first.status, 200, "{}", first.text);
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert_eq!(first.body, retry.body);
+    assert_eq!(holder(s, "k").await.body["session_id"], a.as_str());
+    assert_eq!(of_kind(&all_events(s).await, "lock_acquired").len(), 2);
+}

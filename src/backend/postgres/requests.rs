@@ -113,7 +113,7 @@ impl Postgres {
             Mutation::Release { id, key, token } => {
                 let done = transact!(self, |tx, after| {
                     match self.claim_request(&tx, &request).await? {
-                        Claim::Replay(a) => a,
+                        Claim::Replay(a) => (a, false),
                         Claim::Mine => {
                             let row = self
                                 .q_one(&tx, RELEASE, &[&key.as_str(), &id.0, &(token.0 as i64)])
@@ -122,28 +122,34 @@ impl Postgres {
                             let revision = row.get::<_, i64>(0) as u64;
                             let a = Answer::Released { revision };
                             self.answer_request(&tx, &request, &a).await?;
-                            self.inner.metrics.locks_released.inc();
-                            self.inner.metrics.locks_held.dec();
                             after.freed.push(Resource::Lock(key.clone()));
-                            a
+                            (a, true)
                         }
                     }
                 });
                 match done {
+                    Ok((a, acted)) => {
+                        // Counted once committed, and only by the call that acted.
+                        if acted {
+                            self.inner.metrics.locks_released.inc();
+                            self.inner.metrics.locks_held.dec();
+                        }
+                        Ok(a)
+                    }
                     Err(BackendError::NotHolder) => {
                         // A caller past its deadline holds nothing any more: it is ended.
                         self.live_or_end(id).await?;
                         Err(BackendError::NotHolder)
                     }
-                    other => other,
+                    Err(e) => Err(e),
                 }
             }
             Mutation::Enqueue(job) => {
                 let (max_recoveries, kind) = job.checked()?;
                 let queue = job.queue.clone();
-                let answer = transact!(self, |tx, after| {
+                let (answer, acted) = transact!(self, |tx, after| {
                     match self.claim_request(&tx, &request).await? {
-                        Claim::Replay(a) => a,
+                        Claim::Replay(a) => (a, false),
                         Claim::Mine => {
                             let id = JobId::random();
                             let row = self
@@ -168,12 +174,14 @@ impl Postgres {
                                 revision: row.get::<_, i64>(0) as u64,
                             };
                             self.answer_request(&tx, &request, &a).await?;
-                            self.gauge_queue(job.queue.as_str(), "queued", 1);
                             after.freed.push(Resource::Queue(queue.clone()));
-                            a
+                            (a, true)
                         }
                     }
                 })?;
+                if acted {
+                    self.gauge_queue(queue.as_str(), "queued", 1);
+                }
                 Ok(answer)
             }
         }
