@@ -585,6 +585,11 @@ mod tests {
                 "default_ttl_ms = 500",
             ),
             ("max_body_bytes", toml::Value::Integer(10), "bytes"),
+            (
+                "request_id_retention_ms",
+                toml::Value::Integer(999),
+                "request_id_retention_ms = 999 is out of range: it must be between 1000 and 604800000 milliseconds",
+            ),
             ("log_level", toml::Value::String("[[".into()), "log_level"),
             (
                 "backend",
