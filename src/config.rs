@@ -78,6 +78,8 @@ pub struct Config {
     pub event_trim_batch: usize,
     /// How long finished (done or failed) jobs are kept.
     pub job_retention_ms: u64,
+    /// How long the answer to a call that carried a `request_id` is kept for its retries.
+    pub request_id_retention_ms: u64,
     /// Most requests applied in one group commit.
     pub max_batch: usize,
     /// Most requests queued for the writer before new ones get 503.
@@ -145,6 +147,7 @@ impl Default for Config {
             event_retention_ms: engine.event_retention_ms,
             event_trim_batch: engine.event_trim_batch,
             job_retention_ms: engine.job_retention_ms,
+            request_id_retention_ms: engine.request_id_retention_ms,
             max_batch: engine.max_batch,
             queue_capacity: engine.queue_capacity,
             max_body_bytes: 64 * 1024,
@@ -342,6 +345,13 @@ impl Config {
             3_650 * DAY_MS,
             "milliseconds",
         )?;
+        range(
+            "request_id_retention_ms",
+            self.request_id_retention_ms,
+            1_000,
+            7 * DAY_MS,
+            "milliseconds",
+        )?;
         range("max_batch", self.max_batch, 1, 65_536, "requests")?;
         range(
             "queue_capacity",
@@ -516,6 +526,7 @@ impl Config {
             event_retention_ms: self.event_retention_ms,
             event_trim_batch: self.event_trim_batch,
             job_retention_ms: self.job_retention_ms,
+            request_id_retention_ms: self.request_id_retention_ms,
             max_batch: self.max_batch,
             queue_capacity: self.queue_capacity,
         }
@@ -574,6 +585,11 @@ mod tests {
                 "default_ttl_ms = 500",
             ),
             ("max_body_bytes", toml::Value::Integer(10), "bytes"),
+            (
+                "request_id_retention_ms",
+                toml::Value::Integer(999),
+                "request_id_retention_ms = 999 is out of range: it must be between 1000 and 604800000 milliseconds",
+            ),
             ("log_level", toml::Value::String("[[".into()), "log_level"),
             (
                 "backend",

@@ -1591,6 +1591,10 @@ impl Store {
                     let want = account(event, wall, &mut facts, &mut settled, &mut stories);
                     assert_eq!(event, &want, "event");
                 }
+                // Request ids are the writer's, remembered beside a domain step, never one.
+                Change::PutRequest { .. } | Change::DeleteRequest { .. } => {
+                    panic!("the domain wrote a request id: {change:?}")
+                }
             }
         }
         assert!(

@@ -1255,3 +1255,48 @@ async fn nodes_ride_out_a_postgres_restart_under_load() {
     drop((a, b, late));
     drop(schema);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_through_the_other_node_gets_the_first_answer() {
+    // Guards against request ids remembered per node: a client whose answer from A was lost
+    // retries through B (a load balancer sends it there), and must not enqueue twice, take a
+    // lock back that it released, or be told `not_holder` for a release that worked.
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start(2, None).await;
+    let (a, b) = (&c.nodes[0], &c.nodes[1]);
+    let enqueue = json!({"payload": {"n": 1}, "request_id": "enq-x"});
+    let first = a.post("/v1/queues/xq/jobs", enqueue.clone()).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    let retry = b.post("/v1/queues/xq/jobs", enqueue).await;
+    assert_eq!(retry.body, first.body, "{}", retry.text);
+    let r = b.get("/v1/queues/xq").await;
+    assert_eq!(r.body["queued"], 1, "{}", r.text);
+
+    let s = a.open("retrier", 30_000).await;
+    let acquire = json!({"session_id": s, "request_id": "acq-x"});
+    let got = a.post(&lock_path("xk", "acquire"), acquire.clone()).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    let release = json!({"session_id": s, "token": got.body["token"], "request_id": "rel-x"});
+    let rel = a.post(&lock_path("xk", "release"), release.clone()).await;
+    assert_eq!(rel.status, 200, "{}", rel.text);
+    let r = b.post(&lock_path("xk", "release"), release).await;
+    assert_eq!(r.body, rel.body, "{}", r.text);
+    let r = b.post(&lock_path("xk", "acquire"), acquire).await;
+    assert_eq!(r.body, got.body, "{}", r.text);
+    let r = b.get("/v1/locks/xk").await;
+    assert_eq!(
+        r.status, 404,
+        "the retried acquire took nothing: {}",
+        r.text
+    );
+
+    // Concurrent retries through both nodes act once.
+    let body = json!({"payload": "both", "request_id": "enq-both"});
+    let (ra, rb) = tokio::join!(
+        a.post("/v1/queues/bq/jobs", body.clone()),
+        b.post("/v1/queues/bq/jobs", body)
+    );
+    assert_eq!(ra.status, 201, "{}", ra.text);
+    assert_eq!(ra.body, rb.body, "{}", rb.text);
+    assert_eq!(a.get("/v1/queues/bq").await.body["queued"], 1);
+}

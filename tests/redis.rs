@@ -113,6 +113,38 @@ async fn operations_survive_a_script_cache_flush() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_through_another_node_gets_the_first_answer() {
+    // Guards against request ids remembered per node: the record lives in Redis, written by
+    // the script that acted, so a retry through another node on the namespace replays it.
+    let s = TestServer::start_on(BackendKind::Redis, |_| {}).await;
+    let other = App::start(&s.config, Arc::new(SystemClock::new()))
+        .await
+        .unwrap();
+    let b = Client::new(&other.url()).unwrap();
+    let enqueue = json!({"payload": [1], "request_id": "enq-x"});
+    let first = enqueue_with(&s, "q", enqueue.clone()).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    let retry = b.post("/v1/queues/q/jobs", &enqueue).await.unwrap();
+    assert_eq!(retry.body, first.body, "{}", retry.text);
+    assert_eq!(counts(&s, "q").await, (1, 0, 0, 0));
+
+    let a = s.open("a", 60_000).await;
+    let acquire = json!({"session_id": a, "request_id": "acq-x"});
+    let got = s.post("/v1/locks/k/acquire", acquire.clone()).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    let release = json!({"session_id": a, "token": got.body["token"], "request_id": "rel-x"});
+    let rel = s.post("/v1/locks/k/release", release.clone()).await;
+    assert_eq!(rel.status, 200, "{}", rel.text);
+    let r = b.post("/v1/locks/k/release", &release).await.unwrap();
+    assert_eq!(r.body, rel.body, "{}", r.text);
+    let r = b.post("/v1/locks/k/acquire", &acquire).await.unwrap();
+    assert_eq!(r.body, got.body, "{}", r.text);
+    assert_eq!(s.get("/v1/locks/k").await.body["error"], "lock_free");
+    other.shutdown().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leasehold_check_on_redis_reports_the_namespace_and_finds_a_broken_invariant() {
     // Guards against a check that cannot fail: a seat whose holder is deleted behind the
     // backend's back must be named.

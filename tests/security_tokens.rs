@@ -860,3 +860,39 @@ async fn tokens_commands_and_sighup_on_a_running_server() {
         .status();
     let _ = child.wait();
 }
+
+/// Request ids are scoped per token: the same id sent by two tokens names two calls, so
+/// neither can read the other's answer (a job id it was never meant to learn) nor block the
+/// other's call as a "reuse".
+#[tokio::test]
+async fn request_ids_of_two_tokens_never_collide() {
+    let sec = Secured::start(
+        &[tok("client", Role::Client), tok("client2", Role::Client)],
+        |_| {},
+    )
+    .await;
+    let (a, b) = (sec.as_("client"), sec.as_("client2"));
+    let enq = |c: Client, payload: Value| async move {
+        call(
+            &c,
+            "POST",
+            "/v1/queues/q/jobs",
+            Some(json!({"payload": payload, "request_id": "same-id"})),
+        )
+        .await
+    };
+    let first = enq(a.clone(), json!(1)).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    // Another token, the same id and body: its own call, its own job.
+    let other = enq(b.clone(), json!(1)).await;
+    assert_eq!(other.status, 201, "{}", other.text);
+    assert_ne!(other.body["job_id"], first.body["job_id"]);
+    // Another token, the same id, another body: not a reuse of the first token's id.
+    let b2 = enq(b.clone(), json!(2)).await;
+    assert_eq!(b2.status, 422, "{}", b2.text);
+    assert_eq!(b2.body["error"], "request_id_reused");
+    // Each token's retry gets its own first answer.
+    assert_eq!(enq(a, json!(1)).await.body, first.body);
+    assert_eq!(enq(b, json!(1)).await.body, other.body);
+    sec.s.stop().await;
+}

@@ -165,6 +165,14 @@ impl ApiError {
                             Some(i.field.to_string()),
                         );
                     }
+                    E::RequestIdReused => {
+                        return (
+                            StatusCode::UNPROCESSABLE_ENTITY,
+                            "request_id_reused",
+                            e.to_string(),
+                            Some("request_id".into()),
+                        );
+                    }
                     E::StoreFailed => (StatusCode::SERVICE_UNAVAILABLE, "store_failed"),
                     E::Overloaded(_) => (StatusCode::SERVICE_UNAVAILABLE, "overloaded"),
                     E::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),

@@ -10,9 +10,12 @@ use serde::{Deserialize, Serialize};
 use super::error::ApiError;
 use super::extract::{Body, KeyPath, Query, Whole, page_limit, session_id, whole};
 use super::gate::Caller;
+use super::retry;
 use super::wire::json_or_null;
 use super::{AppState, wait_slot};
 use crate::auth::Scope;
+use crate::backend::BackendError;
+use crate::backend::requests::{Answer, Mutation};
 use crate::domain::{Finish, JobId, JobRecord, JobStatus, NewJob, Token};
 
 pub fn routes() -> Router<AppState> {
@@ -48,6 +51,8 @@ struct EnqueueRequest {
     idempotent: Option<bool>,
     max_recoveries: Option<Whole>,
     kind: Option<String>,
+    /// Makes a retry safe: see `retry`.
+    request_id: Option<String>,
 }
 
 /// A recovery budget beyond `u32` is refused here; the domain's own ceiling applies after.
@@ -73,19 +78,36 @@ struct EnqueueResponse {
 
 async fn enqueue(
     State(app): State<AppState>,
+    caller: Caller,
     KeyPath(queue): KeyPath,
     Body(req): Body<EnqueueRequest>,
 ) -> Result<(StatusCode, Json<EnqueueResponse>), ApiError> {
-    let (id, revision) = app
-        .engine
-        .enqueue(NewJob {
-            queue: queue.clone(),
-            payload: req.payload.to_string(),
-            idempotent: req.idempotent.unwrap_or(false),
-            max_recoveries: max_recoveries(req.max_recoveries)?,
-            kind: req.kind,
-        })
-        .await?;
+    let job = NewJob {
+        queue: queue.clone(),
+        payload: req.payload.to_string(),
+        idempotent: req.idempotent.unwrap_or(false),
+        max_recoveries: max_recoveries(req.max_recoveries)?,
+        kind: req.kind,
+    };
+    let request = retry::request(
+        &caller,
+        req.request_id,
+        "job_enqueue",
+        queue.as_str(),
+        serde_json::json!({
+            "payload": job.payload,
+            "idempotent": job.idempotent,
+            "max_recoveries": job.max_recoveries,
+            "kind": job.kind,
+        }),
+    )?;
+    let (id, revision) = match request {
+        None => app.engine.enqueue(job).await?,
+        Some(request) => match app.engine.once(request, Mutation::Enqueue(job)).await? {
+            Answer::Enqueued { job, revision } => (job, revision),
+            _ => return Err(BackendError::RequestIdReused.into()),
+        },
+    };
     Ok((
         StatusCode::CREATED,
         Json(EnqueueResponse {

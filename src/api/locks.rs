@@ -4,13 +4,17 @@
 use axum::extract::State;
 use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 use super::error::ApiError;
 use super::extract::{Body, KeyPath, Query, Whole, page_limit, session_id, whole};
 use super::gate::Caller;
+use super::retry;
 use super::wire::Lock;
 use super::{AppState, wait_slot};
 use crate::auth::Scope;
+use crate::backend::requests::{Answer, Mutation};
+use crate::backend::{BackendError, Granted};
 use crate::domain::Token;
 
 pub fn routes() -> Router<AppState> {
@@ -27,6 +31,8 @@ pub fn routes() -> Router<AppState> {
 struct AcquireRequest {
     session_id: String,
     wait_ms: Option<Whole>,
+    /// Makes a retry safe: see `retry`.
+    request_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -46,8 +52,31 @@ async fn acquire(
     let id = session_id(&req.session_id)?;
     caller.act(id)?;
     let wait_ms = whole(req.wait_ms).unwrap_or(0);
+    let request = retry::request(
+        &caller,
+        req.request_id,
+        "lock_acquire",
+        key.as_str(),
+        json!({ "session_id": id.to_string() }),
+    )?;
     let _slot = wait_slot(&app, &caller, wait_ms, "lock", &key)?;
-    let granted = app.engine.acquire(id, key.clone(), wait_ms).await?;
+    let granted = match request {
+        None => app.engine.acquire(id, key.clone(), wait_ms).await?,
+        Some(request) => {
+            let op = Mutation::Acquire {
+                id,
+                key: key.clone(),
+                wait_ms,
+            };
+            match app.engine.once(request, op).await? {
+                Answer::Granted { token, revision } => Granted {
+                    token: Token(token),
+                    revision,
+                },
+                _ => return Err(BackendError::RequestIdReused.into()),
+            }
+        }
+    };
     Ok(Json(AcquireResponse {
         key: key.to_string(),
         token: granted.token.0,
@@ -61,6 +90,7 @@ async fn acquire(
 struct ReleaseRequest {
     session_id: String,
     token: Whole,
+    request_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -77,7 +107,27 @@ async fn release(
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     let id = session_id(&req.session_id)?;
     caller.act(id)?;
-    let revision = app.engine.release(id, key, Token(req.token.0)).await?;
+    let request = retry::request(
+        &caller,
+        req.request_id,
+        "lock_release",
+        key.as_str(),
+        json!({ "session_id": id.to_string(), "token": req.token.0 }),
+    )?;
+    let revision = match request {
+        None => app.engine.release(id, key, Token(req.token.0)).await?,
+        Some(request) => {
+            let op = Mutation::Release {
+                id,
+                key,
+                token: Token(req.token.0),
+            };
+            match app.engine.once(request, op).await? {
+                Answer::Released { revision } => revision,
+                _ => return Err(BackendError::RequestIdReused.into()),
+            }
+        }
+    };
     Ok(Json(ReleaseResponse {
         released: true,
         revision,

@@ -10,6 +10,7 @@ mod jobs;
 mod locks;
 mod pools;
 mod probes;
+mod retry;
 mod sessions;
 mod wire;
 

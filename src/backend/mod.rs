@@ -26,6 +26,7 @@ pub mod embedded;
 pub mod pacing;
 pub mod postgres;
 pub mod redis;
+pub mod requests;
 mod settings;
 pub mod waiting;
 
@@ -40,6 +41,7 @@ use crate::domain::{
 };
 use crate::metrics::Metrics;
 use embedded::store::StoreError;
+use requests::{Answer, Mutation, Request};
 pub use settings::EngineConfig;
 
 pub type Result<T> = std::result::Result<T, BackendError>;
@@ -182,6 +184,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
         token: Token,
         finish: Finish,
     ) -> impl Future<Output = Result<u64>> + Send;
+    /// Runs `op` once for `request`: the first call acts and remembers its answer in the
+    /// same transaction as its change, for `request_id_retention_ms`; a call with the same
+    /// key and fingerprint within that window answers the remembered answer and changes
+    /// nothing; one with the same key and another fingerprint is
+    /// [`BackendError::RequestIdReused`]. Concurrent calls with one key act once. Failures are
+    /// not remembered (they changed nothing). See [`requests`].
+    fn once(&self, request: Request, op: Mutation) -> impl Future<Output = Result<Answer>> + Send;
     /// Puts a failed job back in its queue (an operator's action).
     fn requeue(&self, job: JobId) -> impl Future<Output = Result<u64>> + Send;
     /// Raises the token floor (an operator's action; `leasehold tokens raise-floor`). Once it
@@ -253,6 +262,8 @@ pub enum BackendError {
     TooManyLocks(usize),
     #[error(transparent)]
     Invalid(#[from] InvalidInput),
+    #[error("this request_id was already used for a different call; use a new id for a new call")]
+    RequestIdReused,
     #[error(
         "the store failed; writes, and reads of what lives in memory, are refused until the server restarts"
     )]

@@ -14,6 +14,8 @@ pub struct EngineConfig {
     pub event_retention_ms: u64,
     pub event_trim_batch: usize,
     pub job_retention_ms: u64,
+    /// How long a `request_id`'s first answer is kept for its retries.
+    pub request_id_retention_ms: u64,
     pub max_batch: usize,
     pub queue_capacity: usize,
 }
@@ -30,6 +32,7 @@ impl Default for EngineConfig {
             event_retention_ms: 7 * 24 * 3_600_000,
             event_trim_batch: 10_000,
             job_retention_ms: 7 * 24 * 3_600_000,
+            request_id_retention_ms: 24 * 3_600_000,
             max_batch: 4_096,
             queue_capacity: 65_536,
         }

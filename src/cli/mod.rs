@@ -344,6 +344,11 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_JOB_RETENTION_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     job_retention_ms: Option<u64>,
+    /// How long the answer to a call with a request_id is kept for its retries, in ms
+    /// [default: 86400000]
+    #[arg(long, env = "LEASEHOLD_REQUEST_ID_RETENTION_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id_retention_ms: Option<u64>,
     /// Most requests in one group commit [default: 4096]
     #[arg(long, env = "LEASEHOLD_MAX_BATCH")]
     #[serde(skip_serializing_if = "Option::is_none")]

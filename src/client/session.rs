@@ -120,6 +120,12 @@ impl Backoff {
     }
 }
 
+/// A fresh `request_id` for one logical call; only that call's retries send it again, so a
+/// retry after a lost answer gets the first answer back instead of acting twice.
+fn request_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
 /// Whether an answer or failure is worth another attempt: transport errors and the `503`s
 /// (overloaded, shutting down, an unreachable database, a failed store) may clear; every other
 /// answer is final.
@@ -440,7 +446,7 @@ async fn release_loop(
             _ if loss.borrow().is_some() => continue,
             Release::Lock { key, token } => (
                 format!("/v1/locks/{}/release", segment(&key)),
-                json!({"session_id": id, "token": token}),
+                json!({"session_id": id, "token": token, "request_id": request_id()}),
             ),
             Release::Seat { pool, token } => (
                 format!("/v1/pools/{}/release", segment(&pool)),
@@ -518,7 +524,11 @@ impl Session {
     /// `max_wait_ms`).
     pub async fn lock_wait(&self, key: &str, wait: Duration) -> Result<LockGuard, Error> {
         self.check()?;
-        let body = json!({"session_id": self.shared.id, "wait_ms": millis(wait)});
+        let body = json!({
+            "session_id": self.shared.id,
+            "wait_ms": millis(wait),
+            "request_id": request_id(),
+        });
         let r = self
             .shared
             .call(&format!("/v1/locks/{}/acquire", segment(key)), &body)
@@ -692,7 +702,11 @@ impl LockGuard {
     /// Gives the lock back now and waits for the answer.
     pub async fn release(mut self) -> Result<(), Error> {
         self.held = false;
-        let body = json!({"session_id": self.shared.id, "token": self.token});
+        let body = json!({
+            "session_id": self.shared.id,
+            "token": self.token,
+            "request_id": request_id(),
+        });
         let r = self
             .shared
             .call(&format!("/v1/locks/{}/release", segment(&self.key)), &body)

@@ -300,6 +300,16 @@ pub struct JobRecord {
     pub updated_at: UnixMs,
 }
 
+/// A remembered answer to a call that carried a `request_id` (see
+/// `crate::backend::requests`): the call's fingerprint, its answer as JSON, and the wall time
+/// it is forgotten at.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub fingerprint: String,
+    pub answer: String,
+    pub expires_at: UnixMs,
+}
+
 /// One thing to persist. A batch of changes from one or more requests is written in one
 /// transaction, followed by the counters (`revision`, `event_seq`) as they stand after it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -354,6 +364,15 @@ pub enum Change {
         queue: LockKey,
     },
     Event(Event),
+    /// Remembers the answer to a call with a `request_id`, in the commit of its change.
+    PutRequest {
+        key: String,
+        record: RequestRecord,
+    },
+    /// Forgets a request id past its retention.
+    DeleteRequest {
+        key: String,
+    },
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ pub mod time;
 
 pub use change::{
     Change, EndReason, Event, EventKind, JobRecord, JobStatus, LockRecord, PoolRecord,
-    ReleasedLock, SeatRecord, SessionRecord,
+    ReleasedLock, RequestRecord, SeatRecord, SessionRecord,
 };
 pub use ids::{JobId, LockKey, PoolName, QueueName, SessionId, Token};
 pub use jobs::{Claim, ClaimGone, Finish, JobError, JobOutcome, NewJob, QueueCounts};

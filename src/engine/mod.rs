@@ -9,6 +9,7 @@ use crate::backend::embedded::Embedded;
 use crate::backend::embedded::store::backup::BackupFile;
 use crate::backend::postgres::Postgres;
 use crate::backend::redis::Redis;
+use crate::backend::requests::{Answer, Mutation, Request};
 use crate::backend::{
     Backend, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage, LockPage,
     OpenedSession, PoolInfo, QueueInfo, ReapOutcome, Result, SessionInfo, SessionPage,
@@ -202,6 +203,11 @@ impl Engine {
         finish: Finish,
     ) -> Result<u64> {
         each!(self, b => Backend::finish_job(b, id, job, token, finish).await)
+    }
+
+    /// Runs a mutation once for its `request_id` (see [`Backend::once`]).
+    pub async fn once(&self, request: Request, op: Mutation) -> Result<Answer> {
+        each!(self, b => Backend::once(b, request, op).await)
     }
 
     pub async fn requeue(&self, job: JobId) -> Result<u64> {

@@ -29,6 +29,7 @@ mod durability;
 mod jobs;
 mod locks;
 mod pools;
+mod retries;
 mod service;
 mod sessions;
 mod waiters;
@@ -196,6 +197,16 @@ contract! {
         job_lists_page_by_cursor,
         finished_jobs_are_purged_after_their_retention with |c| c.job_retention_ms = 10_000,
         purged_jobs_leave_the_job_gauges with |c| c.job_retention_ms = 10_000,
+    }
+    retries {
+        a_repeated_enqueue_acts_once,
+        a_repeated_acquire_and_release_act_once,
+        a_failed_call_is_not_remembered,
+        a_request_id_reused_for_another_call_is_refused,
+        a_request_id_is_forgotten_after_its_retention with |c| c.request_id_retention_ms = 1_000,
+        concurrent_retries_with_one_request_id_act_once,
+        retries_of_a_waiting_acquire_get_its_grant,
+        a_request_id_survives_a_restart,
     }
     durability {
         seats_and_jobs_survive_a_restart,

@@ -14,6 +14,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+import uuid
 
 __all__ = [
     "Client",
@@ -124,6 +125,40 @@ class Client:
 
     def post(self, path, body=None):
         return self.request("POST", path, {} if body is None else body)
+
+    def enqueue(self, queue, payload, idempotent=None, max_recoveries=None, kind=None, backoff=None):
+        """Enqueues a job; returns the answer (``job_id``, ``queue``, ``revision``).
+
+        Retried with ``backoff`` on transport errors and 503s under one ``request_id``, so a
+        retry after a lost answer gets the first answer back and never enqueues twice.
+        Raises :class:`LeaseholdError` for any other refusal.
+        """
+        body = {"payload": payload, "request_id": _request_id()}
+        for name, value in (("idempotent", idempotent), ("max_recoveries", max_recoveries), ("kind", kind)):
+            if value is not None:
+                body[name] = value
+        backoff = backoff or Backoff()
+        path = f"/v1/queues/{segment(queue)}/jobs"
+        for attempt in range(backoff.attempts):
+            try:
+                status, answer = self.post(path, body)
+            except TransportError:
+                if attempt + 1 == backoff.attempts:
+                    raise
+                time.sleep(backoff.delay(attempt))
+                continue
+            if _retryable(status) and attempt + 1 < backoff.attempts:
+                time.sleep(backoff.delay(attempt))
+                continue
+            if status != 201:
+                raise _error(status, answer)
+            return answer
+        raise AssertionError("unreachable")
+
+
+def _request_id():
+    """A fresh ``request_id`` for one logical call, sent again only by that call's retries."""
+    return str(uuid.uuid4())
 
 
 def _retryable(status):
@@ -335,7 +370,8 @@ class Session:
     def lock(self, key, wait=0.0):
         """Takes the lock ``key``, waiting in line up to ``wait`` seconds; a :class:`LockGuard`.
         Raises :class:`LeaseholdError` with code ``lock_held`` if it stays held."""
-        status, answer = self._call(f"/v1/locks/{segment(key)}/acquire", {"session_id": self.id, "wait_ms": int(wait * 1000)})
+        body = {"session_id": self.id, "wait_ms": int(wait * 1000), "request_id": _request_id()}
+        status, answer = self._call(f"/v1/locks/{segment(key)}/acquire", body)
         if status != 200:
             raise _error(status, answer)
         return LockGuard(self, key, answer["token"])
@@ -424,7 +460,8 @@ class LockGuard(_Guard):
         self.held = False
         if self.session.loss is not None:
             return
-        status, answer = self.session._call(f"/v1/locks/{segment(self.key)}/release", {"session_id": self.session.id, "token": self.token})
+        body = {"session_id": self.session.id, "token": self.token, "request_id": _request_id()}
+        status, answer = self.session._call(f"/v1/locks/{segment(self.key)}/release", body)
         if status != 200:
             raise _error(status, answer)
 

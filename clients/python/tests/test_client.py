@@ -180,6 +180,41 @@ class Retries(unittest.TestCase):
         finally:
             fake.close()
 
+    def test_an_enqueue_whose_answer_was_lost_is_retried_and_enqueued_once(self):
+        queue = unique("retried")
+        proxy = LosingProxy(SERVER, lose=1)
+        try:
+            answer = leasehold.Client(proxy.url).enqueue(queue, {"n": 1}, kind="k")
+            # The first answer was lost after the server acted; the retry got it.
+            self.assertEqual((proxy.forwarded, proxy.lost), (2, 1))
+            status, counts = leasehold.Client(SERVER).get(f"/v1/queues/{segment(queue)}")
+            self.assertEqual(status, 200)
+            self.assertEqual(counts["queued"], 1)
+            status, job = leasehold.Client(SERVER).get(f"/v1/jobs/{answer['job_id']}")
+            self.assertEqual((status, job["payload"], job["kind"]), (200, {"n": 1}, "k"))
+        finally:
+            proxy.close()
+
+    def test_a_lock_acquire_and_release_whose_answers_were_lost_act_once(self):
+        key = unique("retried")
+        direct = leasehold.Client(SERVER)
+        proxy = LosingProxy(SERVER, lose=0)
+        try:
+            with leasehold.Session(leasehold.Client(proxy.url), "retried") as s:
+                proxy.lose_next(1)
+                lock = s.lock(key)
+                self.assertEqual(direct.get(f"/v1/locks/{segment(key)}")[1]["token"], lock.token)
+                proxy.lose_next(1)
+                lock.release()  # its retry is answered 200, not not_holder
+                self.assertEqual(direct.get(f"/v1/locks/{segment(key)}")[0], 404)
+            self.assertEqual(proxy.lost, 2)
+            status, page = direct.get("/v1/events?limit=1000")
+            self.assertEqual(status, 200)
+            mine = [e for e in page["events"] if e.get("key") == key]
+            self.assertEqual([e["kind"] for e in mine], ["lock_acquired", "lock_released"])
+        finally:
+            proxy.close()
+
     def test_bad_urls_and_tokens_are_refused_up_front(self):
         with self.assertRaises(ValueError):
             leasehold.Client("ftp://x")
@@ -297,6 +332,63 @@ class StallingProxy:
                 except OSError:
                     pass
                 s.close()
+
+
+class LosingProxy:
+    """Forwards each POST to the server and relays its answer, except that the next ``lose``
+    answers are dropped after the server has acted (the connection is closed unanswered), as a
+    timeout on the way back would."""
+
+    def __init__(self, server, lose=0):
+        self.forwarded = 0
+        self.lost = 0
+        self._lose = lose
+        self._lock = threading.Lock()
+        upstream = leasehold.Client(server)
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                length = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                status, answer = upstream.post(self.path, body)
+                with owner._lock:
+                    owner.forwarded += 1
+                    lose = owner._lose > 0 and not self.path.endswith("/heartbeat")
+                    if lose:
+                        owner._lose -= 1
+                        owner.lost += 1
+                if lose:
+                    self.close_connection = True
+                    return
+                self.reply(status, answer)
+
+            def do_DELETE(self):
+                status, answer = upstream.request("DELETE", self.path)
+                self.reply(status, answer)
+
+            def reply(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d" % self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def lose_next(self, n):
+        with self._lock:
+            self._lose = n
+
+    def close(self):
+        self._server.shutdown()
+        self._server.server_close()
 
 
 class Scripted:

@@ -8,11 +8,12 @@ use super::commands::{Command, PassSize, Reply, claimed, granted, pend};
 use super::errors::{acquire_error, job_error, pool_error, seat_error};
 use super::waiters::{Resource, Waiters, Want};
 use super::writer::{PacedPass, Writer};
+use crate::backend::requests::{Answer, Request, RequestCheck};
 use crate::backend::{BackendError, Beat, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::time::to_wall;
 use crate::domain::{
     AcquireError, At, Change, Finish, HeartbeatError, LockKey, Mono, PoolName, PoolPut, PoolRecord,
-    SeatError, SessionId, State, UnixMs,
+    SeatError, SessionId, State, Token, UnixMs,
 };
 
 impl Writer {
@@ -80,22 +81,39 @@ impl Writer {
                 id,
                 key,
                 deadline,
+                request,
                 reply,
             } => {
                 let deadline = may_wait(deadline);
-                self.acquire(state, waiters, (id, key), deadline, reply, at)
+                let Some((request, reply)) = self.replay(request, reply, at, |a| match a {
+                    Answer::Granted { token, revision } => Some(granted(Token(token), revision)),
+                    _ => None,
+                }) else {
+                    return;
+                };
+                self.acquire(state, waiters, (id, key), deadline, (reply, request), at)
             }
             Command::Release {
                 id,
                 key,
                 token,
+                request,
                 reply,
             } => {
+                let Some((request, reply)) = self.replay(request, reply, at, |a| match a {
+                    Answer::Released { revision } => Some(revision),
+                    _ => None,
+                }) else {
+                    return;
+                };
                 let r = state
-                    .release(id, &key, token, at, fx)
+                    .release(id, &key, token, at, &mut self.fx)
                     .map_err(|_| BackendError::NotHolder);
                 self.tally.released += u64::from(r.is_ok());
-                pend(pending, reply, r);
+                if let Ok(revision) = r {
+                    self.remember(request, &Answer::Released { revision }, at);
+                }
+                pend(&mut self.pending, reply, r);
             }
             Command::ConfirmLive { id, reply } => {
                 let live = state.confirm_live(id, at.now, fx);
@@ -141,9 +159,26 @@ impl Writer {
                     .map_err(pool_error);
                 pend(pending, reply, r);
             }
-            Command::Enqueue { id, job, reply } => {
-                let r = state.enqueue(id, job, at, fx).map_err(BackendError::from);
-                pend(pending, reply, r);
+            Command::Enqueue {
+                id,
+                job,
+                request,
+                reply,
+            } => {
+                let Some((request, reply)) = self.replay(request, reply, at, |a| match a {
+                    Answer::Enqueued { job, revision } => Some((job, revision)),
+                    _ => None,
+                }) else {
+                    return;
+                };
+                let r = state
+                    .enqueue(id, job, at, &mut self.fx)
+                    .map(|revision| (id, revision))
+                    .map_err(BackendError::from);
+                if let Ok((job, revision)) = r {
+                    self.remember(request, &Answer::Enqueued { job, revision }, at);
+                }
+                pend(&mut self.pending, reply, r);
             }
             Command::Claim {
                 id,
@@ -200,6 +235,8 @@ impl Writer {
                         .saturating_sub(self.shared.config.job_retention_ms),
                 );
                 state.purge_jobs(before, self.shared.config.reaper_batch, fx);
+                self.requests
+                    .purge(at.wall, self.shared.config.reaper_batch, &mut fx.changes);
                 self.trim_events = true;
                 pend(&mut self.pending, reply, Ok(outcome));
             }
@@ -254,6 +291,43 @@ impl Writer {
         }
     }
 
+    /// For a call with a request id: answers a retry from its record, or refuses an id
+    /// reused for another call, and returns `None`; otherwise hands the request and the
+    /// reply back to act on. Answers wait for the batch's commit like any other, so a replay
+    /// never leaves before the commit of what it replays.
+    fn replay<T: Send + 'static>(
+        &mut self,
+        request: Option<Request>,
+        reply: Reply<T>,
+        at: At,
+        answer: impl FnOnce(Answer) -> Option<T>,
+    ) -> Option<(Option<Request>, Reply<T>)> {
+        let Some(r) = request else {
+            return Some((None, reply));
+        };
+        match self.requests.check(&r, at.wall) {
+            RequestCheck::New => Some((Some(r), reply)),
+            RequestCheck::Replay(a) => {
+                let result = answer(a).ok_or(BackendError::RequestIdReused);
+                pend(&mut self.pending, reply, result);
+                None
+            }
+            RequestCheck::Reused => {
+                pend(&mut self.pending, reply, Err(BackendError::RequestIdReused));
+                None
+            }
+        }
+    }
+
+    /// Remembers the answer of a call with a request id in this batch's commit.
+    pub fn remember(&mut self, request: Option<Request>, answer: &Answer, at: At) {
+        if let Some(r) = request {
+            let retention = self.shared.config.request_id_retention_ms;
+            self.requests
+                .remember(r, answer, at.wall, retention, &mut self.fx.changes);
+        }
+    }
+
     /// A lock request. When others already wait for the key, a newcomer goes behind them:
     /// an expired holder is ended and the first waiters served before it is considered.
     fn acquire(
@@ -262,7 +336,7 @@ impl Writer {
         waiters: &mut Waiters,
         (id, key): (SessionId, LockKey),
         deadline: Option<Mono>,
-        reply: Reply<Granted>,
+        (reply, request): (Reply<Granted>, Option<Request>),
         at: At,
     ) {
         let line = Resource::Lock(key.clone());
@@ -275,7 +349,7 @@ impl Writer {
         }
         if queued_behind(state, waiters) {
             match deadline {
-                Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply)),
+                Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply, request)),
                 _ => pend(&mut self.pending, reply, Err(BackendError::LockHeld)),
             }
             return;
@@ -283,10 +357,15 @@ impl Writer {
         match state.acquire(id, &key, at, &mut self.fx) {
             Ok(a) => {
                 self.tally.acquired += u64::from(a.fresh);
+                let answer = Answer::Granted {
+                    token: a.token.0,
+                    revision: a.revision,
+                };
+                self.remember(request, &answer, at);
                 pend(&mut self.pending, reply, Ok(granted(a.token, a.revision)));
             }
             Err(AcquireError::Held { .. }) => match deadline {
-                Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply)),
+                Some(d) if d > at.now => waiters.push(line, id, d, Want::Lock(reply, request)),
                 _ => pend(&mut self.pending, reply, Err(BackendError::LockHeld)),
             },
             Err(e) => pend(&mut self.pending, reply, Err(acquire_error(e))),

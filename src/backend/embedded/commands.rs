@@ -4,6 +4,7 @@
 
 use tokio::sync::oneshot;
 
+use crate::backend::requests::Request;
 use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::state::FloorRaised;
 use crate::domain::{Claim, PoolPut};
@@ -44,12 +45,15 @@ pub enum Command {
         key: LockKey,
         /// Wait until this instant if the lock is held; `None` answers at once.
         deadline: Option<Mono>,
+        /// Remember the grant for this request's retries.
+        request: Option<Request>,
         reply: Reply<Granted>,
     },
     Release {
         id: SessionId,
         key: LockKey,
         token: Token,
+        request: Option<Request>,
         reply: Reply<u64>,
     },
     /// Creates or resizes a pool. The writer reads the existing record itself, so that
@@ -81,7 +85,9 @@ pub enum Command {
     Enqueue {
         id: JobId,
         job: NewJob,
-        reply: Reply<u64>,
+        request: Option<Request>,
+        /// The job's id (a remembered one for a retry) and the revision.
+        reply: Reply<(JobId, u64)>,
     },
     Claim {
         id: SessionId,
@@ -160,10 +166,10 @@ pub fn refuse(cmd: Command, e: BackendError) {
         Command::Heartbeat { reply, .. } => no(reply, e),
         Command::End { reply, .. } => no(reply, e),
         Command::Acquire { reply, .. } | Command::AcquireSeat { reply, .. } => no(reply, e),
+        Command::Enqueue { reply, .. } => no(reply, e),
         Command::Release { reply, .. }
         | Command::DeletePool { reply, .. }
         | Command::ReleaseSeat { reply, .. }
-        | Command::Enqueue { reply, .. }
         | Command::FinishJob { reply, .. }
         | Command::Requeue { reply, .. } => no(reply, e),
         Command::PutPool { reply, .. } => no(reply, e),

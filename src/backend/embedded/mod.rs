@@ -20,6 +20,7 @@ mod errors;
 mod mutate;
 mod read;
 mod reaper;
+mod requests;
 mod serve;
 mod shared;
 pub mod store;
@@ -36,6 +37,7 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use crate::backend::EngineConfig;
+use crate::backend::requests::{Answer, Mutation, Request};
 use crate::backend::{
     Backend, BackendError, Beat, CheckReport, Claimed, Closed, DueSession, Fence, Granted, JobPage,
     LockPage, OpenedSession, PoolInfo, QueueInfo, ReapOutcome, SessionInfo, SessionPage,
@@ -79,6 +81,7 @@ impl Embedded {
         metrics: Arc<Metrics>,
     ) -> Result<Embedded, StartError> {
         let restore = store.load()?;
+        let requests = requests::Requests::load(store.request_ids()?);
         let state = State::restore(config.limits, restore, clock.now())?;
         metrics.sessions_active.set(state.session_count() as i64);
         metrics.locks_held.set(state.lock_count() as i64);
@@ -98,7 +101,7 @@ impl Embedded {
             clock,
             metrics,
         });
-        let writer = writer::spawn(shared.clone(), rx)?;
+        let writer = writer::spawn(shared.clone(), rx, requests)?;
         let reaper = if shared.config.reaper_enabled {
             Some(reaper::spawn(shared.clone(), tx.clone())?)
         } else {
@@ -340,6 +343,10 @@ impl Backend for Embedded {
         finish: Finish,
     ) -> Result<u64, BackendError> {
         Embedded::finish_job(self, id, job, token, finish).await
+    }
+
+    async fn once(&self, request: Request, op: Mutation) -> Result<Answer, BackendError> {
+        Embedded::once(self, request, op).await
     }
 
     async fn requeue(&self, job: JobId) -> Result<u64, BackendError> {

@@ -5,6 +5,7 @@
 use super::Embedded;
 use super::commands::{Command, PassSize};
 use super::store::backup::BackupFile;
+use crate::backend::requests::{Answer, Mutation, Request};
 use crate::backend::{BackendError, Beat, Claimed, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::state::FloorRaised;
 use crate::domain::time::to_wall;
@@ -112,6 +113,7 @@ impl Embedded {
             id,
             key,
             deadline,
+            request: None,
             reply,
         })
         .await
@@ -127,9 +129,58 @@ impl Embedded {
             id,
             key,
             token,
+            request: None,
             reply,
         })
         .await
+    }
+
+    /// Runs a mutation once for its request id: the check, the change and the record are
+    /// in one batch of the writer, so in one commit.
+    pub async fn once(&self, request: Request, op: Mutation) -> Result<Answer, BackendError> {
+        let request = Some(request);
+        Ok(match op {
+            Mutation::Acquire { id, key, wait_ms } => {
+                let wait = wait_ms.min(self.shared.config.max_wait_ms);
+                let deadline = (wait > 0).then(|| self.shared.clock.now().plus_ms(wait));
+                let g = self
+                    .call(|reply| Command::Acquire {
+                        id,
+                        key,
+                        deadline,
+                        request,
+                        reply,
+                    })
+                    .await?;
+                Answer::Granted {
+                    token: g.token.0,
+                    revision: g.revision,
+                }
+            }
+            Mutation::Release { id, key, token } => {
+                let revision = self
+                    .call(|reply| Command::Release {
+                        id,
+                        key,
+                        token,
+                        request,
+                        reply,
+                    })
+                    .await?;
+                Answer::Released { revision }
+            }
+            Mutation::Enqueue(job) => {
+                let (job, revision) = self
+                    .call(|reply| Command::Enqueue {
+                        id: JobId::random(),
+                        job,
+                        request,
+                        reply,
+                    })
+                    .await?;
+                Answer::Enqueued { job, revision }
+            }
+        })
     }
 
     /// Runs reaper passes now until no session is due.
@@ -218,11 +269,13 @@ impl Embedded {
     }
 
     pub async fn enqueue(&self, job: NewJob) -> Result<(JobId, u64), BackendError> {
-        let id = JobId::random();
-        let revision = self
-            .call(|reply| Command::Enqueue { id, job, reply })
-            .await?;
-        Ok((id, revision))
+        self.call(|reply| Command::Enqueue {
+            id: JobId::random(),
+            job,
+            request: None,
+            reply,
+        })
+        .await
     }
 
     /// Claims the oldest queued job, waiting up to `wait_ms` for one; `None` when none came.

@@ -6,7 +6,8 @@ use super::commands::{claimed, granted, pend};
 use super::errors::{acquire_error, seat_error};
 use super::waiters::{Resource, Waiter, Waiters, Want};
 use super::writer::Writer;
-use crate::backend::BackendError;
+use crate::backend::requests::{Answer, Request};
+use crate::backend::{BackendError, Granted};
 use crate::domain::{AcquireError, At, SeatError, State};
 
 impl Writer {
@@ -65,11 +66,20 @@ impl Writer {
             } = w;
             let fx = &mut self.fx;
             match (&resource, want) {
-                (Resource::Lock(key), Want::Lock(reply)) => {
+                (Resource::Lock(key), Want::Lock(reply, request)) => {
                     match state.acquire(session, key, at, fx) {
                         Ok(a) => {
                             self.tally.acquired += u64::from(a.fresh);
-                            pend(&mut self.pending, reply, Ok(granted(a.token, a.revision)));
+                            let answer = Answer::Granted {
+                                token: a.token.0,
+                                revision: a.revision,
+                            };
+                            let g = granted(a.token, a.revision);
+                            if let Some(r) = &request {
+                                self.answer_retries(waiters, &resource, r, g);
+                            }
+                            self.remember(request, &answer, at);
+                            pend(&mut self.pending, reply, Ok(g));
                         }
                         Err(AcquireError::Held { .. }) => {
                             waiters.push_front(
@@ -78,7 +88,7 @@ impl Writer {
                                     id,
                                     session,
                                     deadline,
-                                    want: Want::Lock(reply),
+                                    want: Want::Lock(reply, request),
                                 },
                             );
                             return;
@@ -134,6 +144,47 @@ impl Writer {
             self.time_out(state, resource, w, at);
         }
         self.settle(state, waiters, at);
+    }
+
+    /// Retries of a waiting lock request (its request id, sent again while the first still
+    /// waited) are answered with the grant that served the first, instead of waiting on
+    /// behind it for a lock their session now holds. Another call under the same id is
+    /// refused as it would have been on arrival. The rest of the line keeps its order.
+    fn answer_retries(
+        &mut self,
+        waiters: &mut Waiters,
+        resource: &Resource,
+        request: &Request,
+        g: Granted,
+    ) {
+        let mut keep = Vec::new();
+        for w in waiters.take_all(resource) {
+            let Waiter {
+                id,
+                session,
+                deadline,
+                want,
+            } = w;
+            match want {
+                Want::Lock(reply, Some(r)) if r.key == request.key => {
+                    let answer = if r.fingerprint == request.fingerprint {
+                        Ok(g)
+                    } else {
+                        Err(BackendError::RequestIdReused)
+                    };
+                    pend(&mut self.pending, reply, answer);
+                }
+                want => keep.push(Waiter {
+                    id,
+                    session,
+                    deadline,
+                    want,
+                }),
+            }
+        }
+        for w in keep.into_iter().rev() {
+            waiters.push_front(resource.clone(), w);
+        }
     }
 
     /// Answers a waiter whose time ran out: the lock is still held, the pool still full, the

@@ -8,6 +8,7 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use super::commands::{Pending, Reply, pend};
+use crate::backend::requests::Request;
 use crate::backend::{BackendError, Claimed, Granted};
 use crate::domain::{LockKey, Mono, PoolName, QueueName, SessionId};
 
@@ -21,7 +22,8 @@ pub enum Resource {
 
 /// What a waiter wants, with where its answer goes.
 pub enum Want {
-    Lock(Reply<Granted>),
+    /// With the request to remember the grant for, when the call carried a `request_id`.
+    Lock(Reply<Granted>, Option<Request>),
     Seat {
         metadata: String,
         reply: Reply<Granted>,
@@ -33,7 +35,7 @@ impl Want {
     /// The client stopped waiting (its connection closed).
     pub fn abandoned(&self) -> bool {
         match self {
-            Want::Lock(r) | Want::Seat { reply: r, .. } => r.is_closed(),
+            Want::Lock(r, _) | Want::Seat { reply: r, .. } => r.is_closed(),
             Want::Claim(r) => r.is_closed(),
         }
     }
@@ -41,7 +43,7 @@ impl Want {
     /// Holds an error back until the batch that decided it has committed (see [`pend`]).
     pub fn fail_later(self, pending: &mut Vec<Pending>, e: BackendError) {
         match self {
-            Want::Lock(r) | Want::Seat { reply: r, .. } => pend(pending, r, Err(e)),
+            Want::Lock(r, _) | Want::Seat { reply: r, .. } => pend(pending, r, Err(e)),
             Want::Claim(r) => pend(pending, r, Err(e)),
         }
     }
@@ -50,7 +52,7 @@ impl Want {
     /// fail-stop).
     pub fn fail(self, e: BackendError) {
         match self {
-            Want::Lock(r) | Want::Seat { reply: r, .. } => {
+            Want::Lock(r, _) | Want::Seat { reply: r, .. } => {
                 let _ = r.send(Err(e));
             }
             Want::Claim(r) => {
@@ -175,7 +177,7 @@ mod tests {
     }
 
     fn want() -> Want {
-        Want::Lock(oneshot::channel().0)
+        Want::Lock(oneshot::channel().0, None)
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::commands::{Command, Pending, refuse};
+use super::requests::Requests;
 use super::shared::Shared;
 use super::store::Batch;
 use super::tallies::Tally;
@@ -44,9 +45,15 @@ pub struct Writer {
     pub paced: Option<PacedPass>,
     /// The reaper has found sessions due; the writer keeps reaping until none are.
     pub storm: bool,
+    /// The remembered request ids.
+    pub requests: Requests,
 }
 
-pub fn spawn(shared: Arc<Shared>, rx: Receiver<Command>) -> std::io::Result<JoinHandle<()>> {
+pub fn spawn(
+    shared: Arc<Shared>,
+    rx: Receiver<Command>,
+    requests: Requests,
+) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("leasehold-writer".into())
         .spawn(move || {
@@ -62,6 +69,7 @@ pub fn spawn(shared: Arc<Shared>, rx: Receiver<Command>) -> std::io::Result<Join
                 trim_events: false,
                 paced: None,
                 storm: false,
+                requests,
             }
             .run(rx)
         })

@@ -13,7 +13,7 @@ use crate::domain::{
     Finish, JobId, JobRecord, JobStatus, NewJob, QueueCounts, QueueName, SessionId, Token, UnixMs,
 };
 
-const ENQUEUE: &str = "
+pub(super) const ENQUEUE: &str = "
 WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
 j AS (
     INSERT INTO {ns}.job (id, queue, kind, payload, idempotent, max_recoveries, ord, status)

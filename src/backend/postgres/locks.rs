@@ -4,7 +4,7 @@
 use uuid::Uuid;
 
 use super::sessions::END_EXPIRED_ONE;
-use super::{Fail, Postgres, transact};
+use super::{After, Fail, Postgres, transact};
 use crate::backend::waiting::{Resource, Step};
 use crate::backend::{BackendError, Fence, Granted, LockPage, Result};
 use crate::domain::{LockKey, LockRecord, SessionId, Token, UnixMs};
@@ -48,7 +48,7 @@ SELECT token FROM g";
 
 /// Releases key $1 if the live session $2 holds it with token $3, in one statement. The free
 /// key is announced to other nodes after the commit (see `Postgres::announce`).
-const RELEASE: &str = "
+pub(super) const RELEASE: &str = "
 WITH me AS MATERIALIZED (
     SELECT id FROM {ns}.session WHERE id = $2 AND expires_at > {ns}.db_now() FOR KEY SHARE
 ),
@@ -85,7 +85,7 @@ const FENCE: &str = "
 SELECT l.token, s.expires_at > {ns}.db_now()
 FROM {ns}.lock l JOIN {ns}.session s ON s.id = l.session_id WHERE l.key = $1";
 
-enum Try {
+pub(crate) enum Try {
     Gone,
     /// The caller already holds the key.
     Own(Token, u64),
@@ -204,60 +204,14 @@ impl Postgres {
         key: &LockKey,
         may_take: bool,
     ) -> Result<Step<Granted, ()>> {
-        let max = self.config().limits.max_locks_per_session;
         let outcome = transact!(self, |tx, after| {
-            self.q(&tx, KEY_LOCK, &[&self.class(), &key.as_str()])
-                .await?;
-            let row = self
-                .q_one(&tx, STATE, &[&key.as_str(), &id.0])
-                .await?
-                .ok_or(Fail::Answer(BackendError::Unavailable(
-                    "the lock state query returned nothing".into(),
-                )))?;
-            let me_live: Option<bool> = row.get(0);
-            let holder: Option<Uuid> = row.get(1);
-            let token: Option<i64> = row.get(2);
-            let holder_live: Option<bool> = row.get(3);
-            let held = row.get::<_, i64>(4) as usize;
-            let revision = row.get::<_, i64>(5) as u64;
-            match (me_live, holder) {
-                (None, _) => Try::Gone,
-                (Some(false), _) => {
-                    self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
-                        .await?;
-                    Try::Gone
-                }
-                (Some(true), Some(h)) if h == id.0 => {
-                    Try::Own(Token(token.unwrap_or_default() as u64), revision)
-                }
-                (Some(true), Some(_)) if holder_live == Some(true) => Try::Held,
-                (Some(true), holder) => {
-                    let mut free = true;
-                    if let Some(h) = holder {
-                        // Past its deadline: ended here, so the contender never waits
-                        // for the reaper. It may have been ended meanwhile, or extended.
-                        self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&h])
-                            .await?;
-                        free = self.q_one(&tx, HOLDER, &[&key.as_str()]).await?.is_none();
-                    }
-                    if !free {
-                        Try::Held
-                    } else if !may_take {
-                        Try::Behind
-                    } else if held >= max {
-                        Try::TooMany(held)
-                    } else {
-                        let row = self
-                            .q_one(&tx, GRANT, &[&key.as_str(), &id.0])
-                            .await?
-                            .ok_or(Fail::Answer(BackendError::Unavailable(
-                                "the grant returned nothing".into(),
-                            )))?;
-                        Try::Granted(Token(row.get::<_, i64>(0) as u64))
-                    }
-                }
-            }
+            self.decide_in(&tx, &mut after, id, key, may_take).await?
         })?;
+        self.step(outcome)
+    }
+
+    /// What one decided attempt answers.
+    pub(crate) fn step(&self, outcome: Try) -> Result<Step<Granted, ()>> {
         Ok(match outcome {
             Try::Gone => return Err(BackendError::SessionGone),
             Try::TooMany(n) => return Err(BackendError::TooManyLocks(n)),
@@ -271,6 +225,70 @@ impl Postgres {
                     token,
                     revision: token.0,
                 })
+            }
+        })
+    }
+
+    /// One attempt decided under the key's lock, inside the caller's transaction: the
+    /// caller or the key's holder past its deadline is ended on the way.
+    pub(crate) async fn decide_in(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        after: &mut After,
+        id: SessionId,
+        key: &LockKey,
+        may_take: bool,
+    ) -> std::result::Result<Try, Fail> {
+        let max = self.config().limits.max_locks_per_session;
+        Ok({
+            self.q(tx, KEY_LOCK, &[&self.class(), &key.as_str()])
+                .await?;
+            let row = self
+                .q_one(tx, STATE, &[&key.as_str(), &id.0])
+                .await?
+                .ok_or(Fail::Answer(BackendError::Unavailable(
+                    "the lock state query returned nothing".into(),
+                )))?;
+            let me_live: Option<bool> = row.get(0);
+            let holder: Option<Uuid> = row.get(1);
+            let token: Option<i64> = row.get(2);
+            let holder_live: Option<bool> = row.get(3);
+            let held = row.get::<_, i64>(4) as usize;
+            let revision = row.get::<_, i64>(5) as u64;
+            match (me_live, holder) {
+                (None, _) => Try::Gone,
+                (Some(false), _) => {
+                    self.end_in(tx, after, &END_EXPIRED_ONE, &[&id.0]).await?;
+                    Try::Gone
+                }
+                (Some(true), Some(h)) if h == id.0 => {
+                    Try::Own(Token(token.unwrap_or_default() as u64), revision)
+                }
+                (Some(true), Some(_)) if holder_live == Some(true) => Try::Held,
+                (Some(true), holder) => {
+                    let mut free = true;
+                    if let Some(h) = holder {
+                        // Past its deadline: ended here, so the contender never waits
+                        // for the reaper. It may have been ended meanwhile, or extended.
+                        self.end_in(tx, after, &END_EXPIRED_ONE, &[&h]).await?;
+                        free = self.q_one(tx, HOLDER, &[&key.as_str()]).await?.is_none();
+                    }
+                    if !free {
+                        Try::Held
+                    } else if !may_take {
+                        Try::Behind
+                    } else if held >= max {
+                        Try::TooMany(held)
+                    } else {
+                        let row = self
+                            .q_one(tx, GRANT, &[&key.as_str(), &id.0])
+                            .await?
+                            .ok_or(Fail::Answer(BackendError::Unavailable(
+                                "the grant returned nothing".into(),
+                            )))?;
+                        Try::Granted(Token(row.get::<_, i64>(0) as u64))
+                    }
+                }
             }
         })
     }

@@ -46,12 +46,14 @@ mod locks;
 mod notify;
 mod pools;
 mod reaper;
+mod requests;
 pub mod schema;
 mod sessions;
 
 #[cfg(test)]
 mod tests;
 
+use crate::backend::requests::{Answer, Mutation, Request};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -934,6 +936,10 @@ impl Backend for Postgres {
         finish: Finish,
     ) -> Result<u64> {
         Postgres::finish_job(self, id, job, token, finish).await
+    }
+
+    async fn once(&self, request: Request, op: Mutation) -> Result<Answer> {
+        Postgres::once(self, request, op).await
     }
 
     async fn requeue(&self, job: JobId) -> Result<u64> {

@@ -185,6 +185,8 @@ impl Postgres {
             false,
         )
         .await?;
+        self.query(super::requests::PURGE, &[&(c.reaper_batch as i64)], false)
+            .await?;
         self.trim_events().await?;
         Ok(())
     }

@@ -11,11 +11,16 @@ use tokio_postgres::GenericClient;
 use super::errors::PgError;
 
 /// The newest schema version this build knows.
-pub const VERSION: i32 = 3;
+pub const VERSION: i32 = 4;
 
 /// Migration `n` is `MIGRATIONS[n - 1]`. Only ever append: a released migration never
 /// changes, since nodes that applied it will not apply it again.
-const MIGRATIONS: &[&str] = &[MIGRATION_1, MIGRATION_2, MIGRATION_ACTOR];
+const MIGRATIONS: &[&str] = &[
+    MIGRATION_1,
+    MIGRATION_2,
+    MIGRATION_ACTOR,
+    MIGRATION_REQUEST_IDS,
+];
 
 /// Audit events name the API token of the operator or admin call that wrote them (never
 /// its secret); NULL for clients, the background reaper, and events written before. Adding a
@@ -181,6 +186,21 @@ BEGIN
     END LOOP;
     RETURN total;
 END $$;
+"#;
+
+/// Safe retries: the answers kept for calls that carried a `request_id`, each written in the
+/// transaction of the change it answers (see `requests`). Self-contained: it only adds a
+/// table and its index.
+const MIGRATION_REQUEST_IDS: &str = r#"
+CREATE TABLE {ns}.request_id (
+    -- `{scope}/{request_id}`: the digest of the calling token's name, and the client's id.
+    key text COLLATE "C" PRIMARY KEY,
+    fingerprint text NOT NULL,
+    -- The first answer, as JSON; empty while the claiming transaction runs.
+    answer text NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+CREATE INDEX request_id_expiry ON {ns}.request_id (expires_at);
 "#;
 
 /// Version 2: the lock acquire as one call, numbering that no longer scans the whole audit

@@ -685,7 +685,7 @@ function OPS.enqueue()
     redis.call('SADD', K_QUEUES, q)
     event({ kind = 'job_enqueued', job = id, queue = q })
     publish({ 'queue:' .. q })
-    return answer({ revision = rev })
+    return answer({ revision = rev, job = id })
 end
 
 -- claim(sid, queue, may_take): the queued job first in order.
@@ -1048,8 +1048,47 @@ function OPS.check()
         revision = rev, jobs = jobs, problems = problems })
 end
 
+-- Safe retries (see `crate::backend::requests`). An operation called `{op}!rid` carries
+-- four more arguments after its own: the request key, the call's fingerprint, the
+-- retention in ms, and the answer fields (comma-separated) whose presence means it acted.
+-- The record `{ns}:!rid:{key}` is read and written in this same script, so the check, the
+-- change and the record are one atomic step; its expiry is judged on `NOW` and it is also
+-- given a PX so Redis drops it. Failures are not recorded: they changed nothing.
+local rid = nil
+local rid_op = string.match(op, '^(.-)!rid$')
+if rid_op then
+    local n = #ARGV
+    rid = { key = P .. '!rid:' .. ARGV[n - 3], fp = ARGV[n - 2], px = tonumber(ARGV[n - 1]),
+        ok = ARGV[n] }
+    op = rid_op
+end
+
 local f = OPS[op]
 if not f then return redis.error_reply('unknown operation ' .. tostring(op)) end
+if rid then
+    local stored = redis.call('GET', rid.key)
+    if stored then
+        local rec = cjson.decode(stored)
+        if rec.at > NOW then
+            if rec.fp ~= rid.fp then return answer({ err = 'request_id_reused' }) end
+            return rec.out
+        end
+    end
+end
 local out = f()
 finish()
+if rid then
+    local t = cjson.decode(out)
+    for field in string.gmatch(rid.ok, '[^,]+') do
+        if t[field] ~= nil then
+            -- What the first call ended on the way, and what it did, was counted then: a
+            -- replay says it is one, so it is not counted again.
+            t.ended = nil
+            t.replayed = true
+            redis.call('SET', rid.key, cjson.encode({ fp = rid.fp, at = NOW + rid.px,
+                out = cjson.encode(t) }), 'PX', rid.px)
+            break
+        end
+    end
+end
 return out

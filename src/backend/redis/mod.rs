@@ -29,6 +29,7 @@
 
 mod durability;
 
+use crate::backend::requests::{Answer, Mutation, Request};
 use std::sync::Arc;
 use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -581,6 +582,28 @@ impl Redis {
         })
     }
 
+    /// The script operation and arguments of a call that may carry a request id: with one,
+    /// `{op}!rid` and four arguments more (see the dispatch at the end of the script);
+    /// `acted` lists the answer fields that say the operation acted, so is remembered.
+    fn with_request(
+        &self,
+        op: &str,
+        mut args: Args,
+        request: Option<&Request>,
+        acted: &str,
+    ) -> (String, Args) {
+        match request {
+            None => (op.to_string(), args),
+            Some(r) => {
+                args.push(r.key.clone());
+                args.push(r.fingerprint.clone());
+                args.push(self.inner.config.request_id_retention_ms.to_string());
+                args.push(acted.to_string());
+                (format!("{op}!rid"), args)
+            }
+        }
+    }
+
     /// Records a failure: a lost Redis makes the node unready until a probe gets through.
     fn failed(&self, e: ::redis::RedisError) -> BackendError {
         let lost = e.is_io_error()
@@ -1009,6 +1032,7 @@ fn gone_or(e: &Base) -> BackendError {
         Some("stale") => BackendError::StaleToken,
         Some("not_failed") => BackendError::JobNotFailed,
         Some("too_many") => BackendError::TooManyLocks(e.n.unwrap_or_default()),
+        Some("request_id_reused") => BackendError::RequestIdReused,
         other => BackendError::Unavailable(format!("the script answered {other:?}")),
     }
 }
@@ -1171,7 +1195,7 @@ impl Backend for Redis {
         self.inner
             .waiting
             .lock(key.clone(), deadline, |may_take| {
-                self.try_acquire(id, &key, may_take)
+                self.try_acquire(id, &key, may_take, None)
             })
             .await
     }
@@ -1508,6 +1532,94 @@ impl Backend for Redis {
         Ok(revision)
     }
 
+    async fn once(&self, request: Request, op: Mutation) -> Result<Answer> {
+        match op {
+            Mutation::Acquire { id, key, wait_ms } => {
+                let deadline = self.wait_deadline(wait_ms);
+                let g = self
+                    .inner
+                    .waiting
+                    .lock(key.clone(), deadline, |may_take| {
+                        self.try_acquire(id, &key, may_take, Some(&request))
+                    })
+                    .await?;
+                Ok(Answer::Granted {
+                    token: g.token.0,
+                    revision: g.revision,
+                })
+            }
+            Mutation::Release { id, key, token } => {
+                #[derive(Deserialize)]
+                struct Released {
+                    #[serde(flatten)]
+                    base: Base,
+                    revision: Option<u64>,
+                    #[serde(default)]
+                    replayed: bool,
+                }
+                let (op, args) = self.with_request(
+                    "release",
+                    args![id.0, key.as_str(), token.0],
+                    Some(&request),
+                    "revision",
+                );
+                let r: Released = self.call(&op, args).await?;
+                self.after(r.base.ended.as_ref(), &[]);
+                match r.revision {
+                    Some(revision) => {
+                        if !r.replayed {
+                            self.inner.metrics.locks_released.inc();
+                            self.inner.metrics.locks_held.dec();
+                            self.after(None, &[Resource::Lock(key)]);
+                        }
+                        Ok(Answer::Released { revision })
+                    }
+                    None => Err(gone_or(&r.base)),
+                }
+            }
+            Mutation::Enqueue(job) => {
+                let (max_recoveries, kind) = job.checked()?;
+                #[derive(Deserialize)]
+                struct Enqueued {
+                    #[serde(flatten)]
+                    base: Base,
+                    revision: Option<u64>,
+                    job: Option<String>,
+                    #[serde(default)]
+                    replayed: bool,
+                }
+                let (op, args) = self.with_request(
+                    "enqueue",
+                    args![
+                        JobId::random().0,
+                        job.queue.as_str(),
+                        kind,
+                        job.payload,
+                        if job.idempotent { "1" } else { "0" },
+                        max_recoveries
+                    ],
+                    Some(&request),
+                    "revision",
+                );
+                let e: Enqueued = self.call(&op, args).await?;
+                let (Some(revision), Some(id)) = (e.revision, e.job) else {
+                    return Err(gone_or(&e.base));
+                };
+                let id = uuid::Uuid::parse_str(&id).map_err(|_| {
+                    BackendError::Unavailable(format!("the enqueue answered job id {id:?}"))
+                })?;
+                if !e.replayed {
+                    self.gauge_queue(job.queue.as_str(), "queued", 1);
+                    self.after(None, &[Resource::Queue(job.queue)]);
+                }
+                Ok(Answer::Enqueued {
+                    job: JobId(id),
+                    revision,
+                })
+            }
+        }
+    }
+
     async fn requeue(&self, job: JobId) -> Result<u64> {
         #[derive(Deserialize)]
         struct Requeued {
@@ -1734,6 +1846,7 @@ impl Redis {
         id: SessionId,
         key: &LockKey,
         may_take: bool,
+        request: Option<&Request>,
     ) -> Result<Step<Granted, ()>> {
         #[derive(Deserialize)]
         struct Try {
@@ -1746,21 +1859,26 @@ impl Redis {
             #[serde(default)]
             behind: bool,
             granted: Option<u64>,
+            #[serde(default)]
+            replayed: bool,
         }
         let max = self.inner.config.limits.max_locks_per_session;
-        let t: Try = self
-            .call(
-                "acquire",
-                args![id.0, key.as_str(), if may_take { "1" } else { "0" }, max],
-            )
-            .await?;
+        let (op, args) = self.with_request(
+            "acquire",
+            args![id.0, key.as_str(), if may_take { "1" } else { "0" }, max],
+            request,
+            "granted,own",
+        );
+        let t: Try = self.call(&op, args).await?;
         self.after(t.base.ended.as_ref(), &[]);
         if t.base.err.is_some() {
             return Err(gone_or(&t.base));
         }
         Ok(if let Some(token) = t.granted {
-            self.inner.metrics.locks_acquired.inc();
-            self.inner.metrics.locks_held.inc();
+            if !t.replayed {
+                self.inner.metrics.locks_acquired.inc();
+                self.inner.metrics.locks_held.inc();
+            }
             Step::Done(Granted {
                 token: Token(token),
                 revision: token,

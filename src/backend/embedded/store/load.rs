@@ -11,7 +11,9 @@ use super::tables::{
     SessionRow, corrupt, counter, stored_key,
 };
 use crate::domain::state::Restore;
-use crate::domain::{JobId, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionId};
+use crate::domain::{
+    JobId, JobRecord, LockRecord, PoolRecord, RequestRecord, SeatRecord, SessionId,
+};
 
 /// The audit counter to continue from: the stored one, unless the log already holds a
 /// higher sequence number — a counter fallen behind (a bug, or a damaged file) would number
@@ -38,6 +40,22 @@ fn event_seq_above_the_log(txn: &ReadTransaction, stored: u64) -> Result<u64, St
 
 impl Store {
     /// Everything the in-memory state is rebuilt from at start-up.
+    /// Every remembered request id and its record, expired or not (the writer forgets
+    /// those past their time in bounded passes).
+    pub fn request_ids(&self) -> Result<Vec<(String, RequestRecord)>, StoreError> {
+        let txn = self.read()?;
+        let table = txn
+            .open_table(super::tables::REQUEST_IDS)
+            .map_err(StoreError::redb)?;
+        let mut out = Vec::with_capacity(table.len().unwrap_or(0) as usize);
+        for row in table.iter().map_err(StoreError::redb)? {
+            let (key, bytes) = row.map_err(StoreError::redb)?;
+            let record = codec::decode(bytes.value()).map_err(corrupt("request id"))?;
+            out.push((key.value().to_string(), record));
+        }
+        Ok(out)
+    }
+
     pub fn load(&self) -> Result<Restore, StoreError> {
         let txn = self.read()?;
         let meta = txn.open_table(META).map_err(StoreError::redb)?;

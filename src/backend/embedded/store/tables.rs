@@ -54,6 +54,9 @@ pub(super) const JOBS_BY_STATE: TableDefinition<(&str, u8, u128), ()> =
     TableDefinition::new("jobs_by_state");
 pub(super) const SESSION_JOBS: TableDefinition<(u128, u128), ()> =
     TableDefinition::new("session_jobs");
+/// `{scope}/{request_id}` → `RequestRecord`: the answers kept for retries. Added without a
+/// schema bump: a file without it gets it empty at open, and an older build ignores it.
+pub(super) const REQUEST_IDS: TableDefinition<&str, &[u8]> = TableDefinition::new("request_ids");
 
 /// Schema 1's tables, read only by the migration, which deletes them.
 pub(super) mod v1 {
@@ -81,6 +84,7 @@ pub const ALL: &[&str] = &[
     "jobs_by_state",
     "session_jobs",
     "event_hashes",
+    "request_ids",
 ];
 
 pub(super) const META_SCHEMA: &str = "schema";
@@ -135,6 +139,7 @@ pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
     f.table(JOBS_BY_STATE)?;
     f.table(SESSION_JOBS)?;
     f.table(super::chain::EVENT_HASHES)?;
+    f.table(REQUEST_IDS)?;
     Ok(())
 }
 
@@ -156,6 +161,7 @@ pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
     txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
     txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
     txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
+    txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
     Ok(())
 }
 

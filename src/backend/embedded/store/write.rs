@@ -12,8 +12,9 @@ use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
-    META_SESSION_ROW, POOLS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS,
-    SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowRef, corrupt, counter, row_of,
+    META_SESSION_ROW, POOLS, REQUEST_IDS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS,
+    SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowRef, corrupt, counter,
+    row_of,
 };
 use crate::domain::{Change, JobRecord, JobStatus, UnixMs};
 
@@ -102,6 +103,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let mut payloads = txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
     let mut by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
     let mut session_jobs = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
+    let mut requests = txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
 
     for change in batch.changes {
         match change {
@@ -263,6 +265,14 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 }
                 // Hashed as it is appended, over the very bytes stored.
                 chain::append(&mut hashes, event.seq, &bytes)?;
+            }
+            Change::PutRequest { key, record } => {
+                requests
+                    .insert(key.as_str(), codec::encode(record).as_slice())
+                    .map_err(StoreError::redb)?;
+            }
+            Change::DeleteRequest { key } => {
+                requests.remove(key.as_str()).map_err(StoreError::redb)?;
             }
         }
     }

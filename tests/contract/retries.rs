@@ -1,0 +1,283 @@
+//! Contract: safe retries with `request_id`. They guard against a client's retry after a
+//! lost answer (a timeout) acting twice — a job enqueued twice, a lock taken again after it
+//! was released, a release answered `not_holder` although it worked — against an id reused
+//! for another call being answered with the first call's answer, and against concurrent
+//! retries racing each other into two actions.
+
+use leasehold::client::Reply;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+use crate::common::*;
+
+fn lock_path(key: &str, verb: &str) -> String {
+    format!("/v1/locks/{key}/{verb}")
+}
+
+fn spawn_post(s: &TestServer, path: String, body: Value) -> JoinHandle<Reply> {
+    let c = s.client.clone();
+    tokio::spawn(async move { c.post(&path, &body).await.unwrap() })
+}
+
+pub async fn a_repeated_enqueue_acts_once(s: &TestServer) {
+    let body = json!({"payload": {"n": 1}, "kind": "build", "request_id": "enq-1"});
+    let first = enqueue_with(s, "builds", body.clone()).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    s.advance(10).await;
+    let again = enqueue_with(s, "builds", body).await;
+    assert_eq!(again.status, 201, "{}", again.text);
+    assert_eq!(again.body, first.body, "the retry gets the first answer");
+    assert_eq!(counts(s, "builds").await, (1, 0, 0, 0));
+    assert_eq!(of_kind(&all_events(s).await, "job_enqueued").len(), 1);
+    // Without a request_id every call acts.
+    let plain = json!({"payload": {"n": 1}, "kind": "build"});
+    enqueue(s, "builds", plain.clone()).await;
+    enqueue(s, "builds", plain).await;
+    assert_eq!(counts(s, "builds").await, (3, 0, 0, 0));
+}
+
+pub async fn a_repeated_acquire_and_release_act_once(s: &TestServer) {
+    let a = s.open("a", 60_000).await;
+    let acquire = json!({"session_id": a, "request_id": "acq-1"});
+    let got = s.post(&lock_path("k", "acquire"), acquire.clone()).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    let t = got.body["token"].as_u64().unwrap();
+    let release = json!({"session_id": a, "token": t, "request_id": "rel-1"});
+    let rel = s.post(&lock_path("k", "release"), release.clone()).await;
+    assert_eq!(rel.status, 200, "{}", rel.text);
+
+    // The acquire's late retry does not take the released lock again.
+    let again = s.post(&lock_path("k", "acquire"), acquire).await;
+    assert_eq!(again.status, 200, "{}", again.text);
+    assert_eq!(again.body, got.body);
+    assert_eq!(s.get("/v1/locks/k").await.body["error"], "lock_free");
+    // The release's retry answers as the first did, not `not_holder`.
+    let rel_again = s.post(&lock_path("k", "release"), release).await;
+    assert_eq!(rel_again.status, 200, "{}", rel_again.text);
+    assert_eq!(rel_again.body, rel.body);
+    let events = all_events(s).await;
+    assert_eq!(of_kind(&events, "lock_acquired").len(), 1);
+    assert_eq!(of_kind(&events, "lock_released").len(), 1);
+
+    // Another session takes the key; the first session's retried acquire still gets its
+    // own first answer, and takes nothing from the new holder.
+    let b = s.open("b", 60_000).await;
+    let tb = take(s, "k", &b).await;
+    let replay = s
+        .post(
+            &lock_path("k", "acquire"),
+            json!({"session_id": a, "request_id": "acq-1", "wait_ms": 500}),
+        )
+        .await;
+    assert_eq!(replay.status, 200, "{}", replay.text);
+    assert_eq!(replay.body["token"], t);
+    assert_eq!(holder(s, "k").await.body["token"], tb);
+}
+
+pub async fn a_failed_call_is_not_remembered(s: &TestServer) {
+    let a = s.open("a", 60_000).await;
+    let b = s.open("b", 60_000).await;
+    let tb = take(s, "k", &b).await;
+    let acquire = json!({"session_id": a, "request_id": "acq-1"});
+    let held = s.post(&lock_path("k", "acquire"), acquire.clone()).await;
+    assert_eq!(held.status, 409, "{}", held.text);
+    assert_eq!(held.body["error"], "lock_held");
+    assert_eq!(s.release("k", &b, tb).await.status, 200);
+    // Nothing happened the first time, so the retry acts.
+    let got = s.post(&lock_path("k", "acquire"), acquire).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    assert_eq!(holder(s, "k").await.body["session_id"], a.as_str());
+
+    let wrong = json!({"session_id": a, "token": 1, "request_id": "rel-1"});
+    for _ in 0..2 {
+        let r = s.post(&lock_path("k", "release"), wrong.clone()).await;
+        assert_eq!(r.status, 409, "{}", r.text);
+        assert_eq!(r.body["error"], "not_holder");
+    }
+}
+
+pub async fn a_request_id_reused_for_another_call_is_refused(s: &TestServer) {
+    let a = s.open("a", 60_000).await;
+    let got = s
+        .post(
+            &lock_path("k", "acquire"),
+            json!({"session_id": a, "request_id": "r-1"}),
+        )
+        .await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    let t = got.body["token"].as_u64().unwrap();
+    let reuses = [
+        // another key
+        (
+            lock_path("other", "acquire"),
+            json!({"session_id": a, "request_id": "r-1"}),
+        ),
+        // another route on the same key
+        (
+            lock_path("k", "release"),
+            json!({"session_id": a, "token": t, "request_id": "r-1"}),
+        ),
+        // another kind of call
+        (
+            "/v1/queues/q/jobs".to_string(),
+            json!({"payload": 1, "request_id": "r-1"}),
+        ),
+    ];
+    for (path, body) in reuses {
+        let r = s.post(&path, body).await;
+        assert_eq!(r.status, 422, "{path}: {}", r.text);
+        assert_eq!(r.body["error"], "request_id_reused", "{path}");
+        assert_eq!(r.body["field"], "request_id", "{path}");
+    }
+    // Same route and queue, different body.
+    assert_eq!(
+        enqueue_with(s, "q", json!({"payload": 1, "request_id": "e-1"}))
+            .await
+            .status,
+        201
+    );
+    let r = enqueue_with(s, "q", json!({"payload": 2, "request_id": "e-1"})).await;
+    assert_eq!(r.status, 422, "{}", r.text);
+    assert_eq!(r.body["error"], "request_id_reused");
+    // Nothing of the refused calls happened.
+    assert_eq!(holder(s, "k").await.body["token"], t);
+    assert_eq!(s.get("/v1/locks/other").await.body["error"], "lock_free");
+    assert_eq!(counts(s, "q").await, (1, 0, 0, 0));
+
+    let long = "x".repeat(129);
+    for bad in [json!(""), json!("a b"), json!("a/b"), json!(long), json!(7)] {
+        let r = enqueue_with(s, "q", json!({"payload": 1, "request_id": bad})).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text);
+        assert_eq!(r.body["field"], "request_id", "{bad}");
+    }
+    let ok = "x".repeat(128);
+    assert_eq!(
+        enqueue_with(s, "q", json!({"payload": 1, "request_id": ok}))
+            .await
+            .status,
+        201
+    );
+}
+
+pub async fn a_request_id_is_forgotten_after_its_retention(s: &TestServer) {
+    let body = json!({"payload": "x", "request_id": "enq-1"});
+    let first = enqueue_with(s, "q", body.clone()).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    s.advance(999).await;
+    assert_eq!(enqueue_with(s, "q", body.clone()).await.body, first.body);
+    assert_eq!(counts(s, "q").await, (1, 0, 0, 0));
+    s.advance(1).await;
+    let later = enqueue_with(s, "q", body.clone()).await;
+    assert_eq!(later.status, 201, "{}", later.text);
+    assert_ne!(later.body["job_id"], first.body["job_id"]);
+    assert_eq!(counts(s, "q").await, (2, 0, 0, 0));
+    // Once forgotten, the id may even name another call.
+    let r = enqueue_with(s, "q", json!({"payload": "y", "request_id": "enq-1"})).await;
+    assert_eq!(r.status, 422, "{}", r.text);
+    s.advance(1_000).await;
+    // The reaper's pass forgets expired ids; a new call with the id then acts.
+    assert_eq!(s.reap().await.status, 200);
+    let r = enqueue_with(s, "q", json!({"payload": "y", "request_id": "enq-1"})).await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(counts(s, "q").await, (3, 0, 0, 0));
+}
+
+pub async fn concurrent_retries_with_one_request_id_act_once(s: &TestServer) {
+    let body = json!({"payload": "once", "request_id": "enq-c"});
+    let tasks: Vec<_> = (0..8)
+        .map(|_| spawn_post(s, "/v1/queues/q/jobs".into(), body.clone()))
+        .collect();
+    let mut ids = Vec::new();
+    for t in tasks {
+        let r = answer(t).await;
+        assert_eq!(r.status, 201, "{}", r.text);
+        ids.push(r.body["job_id"].clone());
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "one job for every retry: {ids:?}");
+    assert_eq!(counts(s, "q").await, (1, 0, 0, 0));
+
+    let a = s.open("a", 60_000).await;
+    let acquire = json!({"session_id": a, "request_id": "acq-c", "wait_ms": 1_000});
+    let tasks: Vec<_> = (0..8)
+        .map(|_| spawn_post(s, lock_path("k", "acquire"), acquire.clone()))
+        .collect();
+    let mut tokens = Vec::new();
+    for t in tasks {
+        let r = answer(t).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        tokens.push(r.body["token"].as_u64().unwrap());
+    }
+    tokens.dedup();
+    assert_eq!(tokens.len(), 1, "one grant for every retry: {tokens:?}");
+    let release = json!({"session_id": a, "token": tokens[0], "request_id": "rel-c"});
+    let tasks: Vec<_> = (0..8)
+        .map(|_| spawn_post(s, lock_path("k", "release"), release.clone()))
+        .collect();
+    let mut revisions = Vec::new();
+    for t in tasks {
+        let r = answer(t).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        revisions.push(r.body["revision"].as_u64().unwrap());
+    }
+    revisions.dedup();
+    assert_eq!(revisions.len(), 1, "{revisions:?}");
+    let events = all_events(s).await;
+    assert_eq!(of_kind(&events, "job_enqueued").len(), 1);
+    assert_eq!(of_kind(&events, "lock_acquired").len(), 1);
+    assert_eq!(of_kind(&events, "lock_released").len(), 1);
+}
+
+pub async fn a_request_id_survives_a_restart(s: &mut TestServer) {
+    let body = json!({"payload": "x", "request_id": "enq-r"});
+    let first = enqueue_with(s, "q", body.clone()).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    let a = s.open("a", 600_000).await;
+    let got = s
+        .post(
+            &lock_path("k", "acquire"),
+            json!({"session_id": a, "request_id": "acq-r"}),
+        )
+        .await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    let t = got.body["token"].as_u64().unwrap();
+    let release = json!({"session_id": a, "token": t, "request_id": "rel-r"});
+    let rel = s.post(&lock_path("k", "release"), release.clone()).await;
+    assert_eq!(rel.status, 200, "{}", rel.text);
+
+    s.restart().await;
+    assert_eq!(enqueue_with(s, "q", body).await.body, first.body);
+    assert_eq!(counts(s, "q").await, (1, 0, 0, 0));
+    assert_eq!(
+        s.post(&lock_path("k", "release"), release).await.body,
+        rel.body
+    );
+    let r = s
+        .post(
+            &lock_path("k", "acquire"),
+            json!({"session_id": a, "request_id": "acq-r"}),
+        )
+        .await;
+    assert_eq!(r.body, got.body);
+    assert_eq!(s.get("/v1/locks/k").await.body["error"], "lock_free");
+}
+
+pub async fn retries_of_a_waiting_acquire_get_its_grant(s: &TestServer) {
+    let a = s.open("a", 60_000).await;
+    let b = s.open("b", 60_000).await;
+    let tb = take(s, "k", &b).await;
+    // The first attempt waits; its client gives up and retries, and the retry waits too.
+    let body = json!({"session_id": a, "request_id": "acq-w", "wait_ms": 30_000});
+    let first = spawn_post(s, lock_path("k", "acquire"), body.clone());
+    until_waiters(s, 1).await;
+    let retry = spawn_post(s, lock_path("k", "acquire"), body);
+    until_waiters(s, 2).await;
+    assert_eq!(s.release("k", &b, tb).await.status, 200);
+    // Both are answered with the one grant, at once, not when their wait runs out.
+    let (first, retry) = (answer(first).await, answer(retry).await);
+    assert_eq!(first.status, 200, "{}", first.text);
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert_eq!(first.body, retry.body);
+    assert_eq!(holder(s, "k").await.body["session_id"], a.as_str());
+    assert_eq!(of_kind(&all_events(s).await, "lock_acquired").len(), 2);
+}
