@@ -165,6 +165,7 @@ async fn reap(
         }));
     }
     let outcome = app.engine.reap_now().await?;
+    app.watches.prompt();
     Ok(Json(ReapResponse::Done {
         dry_run: false,
         sessions_ended: outcome.sessions,

@@ -11,6 +11,7 @@ mod locks;
 mod pools;
 mod probes;
 mod sessions;
+pub mod watch;
 mod wire;
 
 use std::collections::HashMap;
@@ -32,6 +33,8 @@ use extract::BodyLimit;
 pub struct AppState {
     pub engine: Engine,
     waits: Arc<Waits>,
+    /// The node's session watches.
+    pub watches: Arc<watch::Watches>,
 }
 
 /// Limits the API applies above the backend.
@@ -43,6 +46,8 @@ pub struct ApiLimits {
     pub max_waiters_per_key: u32,
     /// Most requests of one token waiting at once.
     pub max_waiters_per_token: u32,
+    /// Session watches: their caps, re-check and keep-alive.
+    pub watch: watch::WatchLimits,
 }
 
 impl ApiLimits {
@@ -126,9 +131,12 @@ pub fn audit(caller: &gate::Caller, action: &str, target: &impl std::fmt::Displa
     tracing::info!(target: "leasehold::audit", token = caller.name(), action, %target, "admin action");
 }
 
-/// Every route of the API, with the body limit, request metrics and panic catching.
-pub fn router(engine: Engine, limits: ApiLimits) -> Router {
+/// Every route of the API, with the body limit, request metrics and panic catching; and the
+/// node's watches, for the server to close as it shuts down.
+pub fn router(engine: Engine, limits: ApiLimits) -> (Router, Arc<watch::Watches>) {
+    let watches = watch::Watches::new(engine.clone(), limits.watch);
     let state = AppState {
+        watches: watches.clone(),
         engine,
         waits: Arc::new(Waits {
             per_key: parking_lot::Mutex::new(HashMap::new()),
@@ -142,8 +150,9 @@ pub fn router(engine: Engine, limits: ApiLimits) -> Router {
         bytes,
         read_timeout: limits.body_read_timeout,
     };
-    Router::new()
+    let router = Router::new()
         .merge(sessions::routes())
+        .merge(watch::routes())
         .merge(locks::routes())
         .merge(pools::routes())
         // A job's payload or result may itself be 64 KiB: its routes take that much more.
@@ -161,7 +170,8 @@ pub fn router(engine: Engine, limits: ApiLimits) -> Router {
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::Extension(body(max_body_bytes)))
         .layer(CatchPanicLayer::new())
-        .with_state(state)
+        .with_state(state);
+    (router, watches)
 }
 
 /// Counts every request by route template, method and status, and times it.

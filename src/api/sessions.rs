@@ -107,6 +107,8 @@ pub async fn end(
     reason: EndReason,
 ) -> Result<Json<CloseResponse>, ApiError> {
     let closed = app.engine.end(id, reason).await?;
+    // Its watchers learn of it now, not at the log's next re-check.
+    app.watches.prompt();
     Ok(Json(match closed {
         Some(c) => CloseResponse {
             released: c.released,

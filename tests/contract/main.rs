@@ -32,6 +32,7 @@ mod pools;
 mod service;
 mod sessions;
 mod waiters;
+mod watch;
 
 /// One `#[tokio::test]` per backend and listed test. An entry is the test's name, then
 /// optionally `on Real` (the real clock instead of the manual one) and `with <tweak>` (a
@@ -195,6 +196,17 @@ contract! {
         job_lists_page_by_cursor,
         finished_jobs_are_purged_after_their_retention with |c| c.job_retention_ms = 10_000,
         purged_jobs_leave_the_job_gauges with |c| c.job_retention_ms = 10_000,
+    }
+    watch {
+        a_watcher_sees_grace_then_the_expiry_with_each_lock_and_seat_lost with crate::watch::quick,
+        a_watcher_sees_an_operator_end with crate::watch::quick,
+        a_watcher_sees_its_client_close with crate::watch::quick,
+        watching_a_gone_session_is_404,
+        watches_over_the_cap_are_refused with |c| {
+            crate::watch::quick(c);
+            c.max_watches = 1;
+            c.max_watches_per_token = 1;
+        },
     }
     durability {
         seats_and_jobs_survive_a_restart,
