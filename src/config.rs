@@ -164,7 +164,7 @@ impl Default for Config {
             body_read_timeout_ms: 10_000,
             max_waiters_per_key: 1_000,
             max_waiters_per_token: 1_000,
-            max_watches: 10_000,
+            max_watches: 1_000,
             max_watches_per_token: 100,
             watch_recheck_ms: 1_000,
             watch_keepalive_ms: 15_000,

@@ -384,7 +384,7 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_MAX_WAITERS_PER_TOKEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_waiters_per_token: Option<u32>,
-    /// Most session watches open on this node at once [default: 10000]
+    /// Most session watches open on this node at once [default: 1000]
     #[arg(long, env = "LEASEHOLD_MAX_WATCHES")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_watches: Option<u32>,

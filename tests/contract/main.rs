@@ -202,6 +202,10 @@ contract! {
         a_watcher_sees_an_operator_end with crate::watch::quick,
         a_watcher_sees_its_client_close with crate::watch::quick,
         watching_a_gone_session_is_404,
+        a_shutdown_ends_every_watch_rather_than_waiting_on_it with |c| {
+            crate::watch::quick(c);
+            c.shutdown_grace_ms = 60_000;
+        },
         watches_over_the_cap_are_refused with |c| {
             crate::watch::quick(c);
             c.max_watches = 1;

@@ -170,3 +170,20 @@ pub async fn watches_over_the_cap_are_refused(s: &TestServer) {
     let mut again = watch(s, &a).await;
     assert_eq!(next(&mut again).await.event, "snapshot");
 }
+
+pub async fn a_shutdown_ends_every_watch_rather_than_waiting_on_it(s: &mut TestServer) {
+    let a = s.open("alice", 60_000).await;
+    let mut w = watch(s, &a).await;
+    assert_eq!(next(&mut w).await.event, "snapshot");
+    // The shutdown grace is far longer than the bound: only a stream that ends lets the
+    // restart finish within it.
+    tokio::time::timeout(Duration::from_secs(20), s.restart())
+        .await
+        .expect("the shutdown waited on the watch");
+    let end = rest(&mut w).await;
+    assert_eq!(names(&end), ["shutting_down"], "{end:?}");
+    assert!(!end[0].is_loss(), "the session itself is not affected");
+    // It is still there to be watched again.
+    let mut again = watch(s, &a).await;
+    assert_eq!(next(&mut again).await.data["state"], "active");
+}
