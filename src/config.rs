@@ -518,7 +518,10 @@ impl Config {
                 max_watches: self.max_watches,
                 max_watches_per_token: self.max_watches_per_token,
                 recheck: std::time::Duration::from_millis(self.watch_recheck_ms),
-                keepalive: std::time::Duration::from_millis(self.watch_keepalive_ms),
+                // A stream must move bytes before the idle timeout closes its connection.
+                keepalive: std::time::Duration::from_millis(
+                    self.watch_keepalive_ms.min(self.idle_timeout_ms / 2).max(1),
+                ),
             },
         }
     }

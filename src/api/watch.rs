@@ -361,7 +361,13 @@ async fn open_watch(
     State(app): State<AppState>,
     caller: Caller,
     SessionPath(id): SessionPath,
-) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+) -> Result<
+    (
+        [(&'static str, &'static str); 1],
+        Sse<impl Stream<Item = Result<SseEvent, Infallible>>>,
+    ),
+    ApiError,
+> {
     caller.read_session(id)?;
     let hub = app.watches.clone();
     let (reg, ending) = hub.register(id, &caller).await?;
@@ -372,10 +378,14 @@ async fn open_watch(
     let (tx, mut rx) = mpsc::channel::<SseEvent>(16);
     tokio::spawn(follow(reg, first, ending, tx));
     let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok)));
-    Ok(Sse::new(stream).keep_alive(
-        KeepAlive::new()
-            .interval(hub.limits.keepalive)
-            .text("keep-alive"),
+    // Proxies that buffer answers (nginx) would hold the events back.
+    Ok((
+        [("x-accel-buffering", "no")],
+        Sse::new(stream).keep_alive(
+            KeepAlive::new()
+                .interval(hub.limits.keepalive)
+                .text("keep-alive"),
+        ),
     ))
 }
 
