@@ -51,6 +51,8 @@ pub struct App {
     pub auth: Option<Arc<Auth>>,
     /// The certificate in force, when TLS is configured.
     pub tls: Option<Arc<Tls>>,
+    /// The session watches, closed as the shutdown begins so that no stream holds it up.
+    watches: Arc<crate::api::watch::Watches>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
 }
@@ -133,7 +135,7 @@ impl App {
             source,
         })?;
         let api = config.api();
-        let router = crate::api::router(engine.clone(), api);
+        let (router, watches) = crate::api::router(engine.clone(), api);
         let gate = Arc::new(Gate {
             auth: auth.clone(),
             metrics_open: config.metrics_open,
@@ -163,6 +165,7 @@ impl App {
             engine,
             auth,
             tls,
+            watches,
             stop: Some(stop),
             task: Some(task),
         })
@@ -187,6 +190,7 @@ impl App {
     /// finishes what is queued) and closes the store.
     pub async fn shutdown(mut self) {
         self.engine.begin_drain();
+        self.watches.close();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -202,6 +206,7 @@ impl App {
         signal.await;
         // Not ready any more, and waiters answered, before the listener closes.
         self.engine.begin_drain();
+        self.watches.close();
         tracing::info!("shutting down: draining in-flight requests");
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());

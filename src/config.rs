@@ -97,6 +97,15 @@ pub struct Config {
     pub max_waiters_per_key: u32,
     /// Most requests of one token waiting at once; more get 429.
     pub max_waiters_per_token: u32,
+    /// Most session watches open on this node at once; more get 503.
+    pub max_watches: u32,
+    /// Most session watches of one token open at once; more get 429.
+    pub max_watches_per_token: u32,
+    /// How often a watch re-reads its session and the audit log unprompted; the longest a
+    /// grace, or an end no prompt announced, waits to be reported.
+    pub watch_recheck_ms: u64,
+    /// How often an idle watch stream carries a keep-alive comment.
+    pub watch_keepalive_ms: u64,
     /// The API tokens file (see docs/security.md). Without one the server serves loopback
     /// addresses only, and every caller may do everything.
     pub tokens_file: Option<PathBuf>,
@@ -158,6 +167,10 @@ impl Default for Config {
             body_read_timeout_ms: 10_000,
             max_waiters_per_key: 1_000,
             max_waiters_per_token: 1_000,
+            max_watches: 1_000,
+            max_watches_per_token: 100,
+            watch_recheck_ms: 1_000,
+            watch_keepalive_ms: 15_000,
             tokens_file: None,
             rate_limit_per_s: 1_000.0,
             rate_limit_burst: 2_000,
@@ -422,6 +435,28 @@ impl Config {
             1_000_000,
             "requests",
         )?;
+        range("max_watches", self.max_watches, 1, 1_000_000, "watches")?;
+        range(
+            "max_watches_per_token",
+            self.max_watches_per_token,
+            1,
+            self.max_watches,
+            "watches (and at most max_watches)",
+        )?;
+        range(
+            "watch_recheck_ms",
+            self.watch_recheck_ms,
+            10,
+            60_000,
+            "milliseconds",
+        )?;
+        range(
+            "watch_keepalive_ms",
+            self.watch_keepalive_ms,
+            1_000,
+            300_000,
+            "milliseconds",
+        )?;
         if !(self.rate_limit_per_s.is_finite()
             && self.rate_limit_per_s >= 0.001
             && self.rate_limit_per_s <= 1e9)
@@ -489,6 +524,15 @@ impl Config {
             body_read_timeout: std::time::Duration::from_millis(self.body_read_timeout_ms),
             max_waiters_per_key: self.max_waiters_per_key,
             max_waiters_per_token: self.max_waiters_per_token,
+            watch: crate::api::watch::WatchLimits {
+                max_watches: self.max_watches,
+                max_watches_per_token: self.max_watches_per_token,
+                recheck: std::time::Duration::from_millis(self.watch_recheck_ms),
+                // A stream must move bytes before the idle timeout closes its connection.
+                keepalive: std::time::Duration::from_millis(
+                    self.watch_keepalive_ms.min(self.idle_timeout_ms / 2).max(1),
+                ),
+            },
         }
     }
 

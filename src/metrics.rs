@@ -66,6 +66,8 @@ pub struct Metrics {
     pub sessions_active: Gauge,
     pub locks_held: Gauge,
     pub waiters: Gauge,
+    /// Session watches (`GET /v1/sessions/{id}/watch` streams) open on this node.
+    pub watches_open: Gauge,
     pub store_failed: Gauge,
     /// Set from the engine's readiness at each scrape.
     pub ready: Gauge,
@@ -144,6 +146,7 @@ impl Metrics {
             sessions_active: Gauge::default(),
             locks_held: Gauge::default(),
             waiters: Gauge::default(),
+            watches_open: Gauge::default(),
             store_failed: Gauge::default(),
             ready: Gauge::default(),
             sessions_opened: Counter::default(),
@@ -181,6 +184,11 @@ impl Metrics {
             "waiters",
             "Requests waiting for a lock, a seat or a job",
             m.waiters.clone(),
+        );
+        registry.register(
+            "watches_open",
+            "Session watch streams open on this node",
+            m.watches_open.clone(),
         );
         registry.register(
             "store_failed",

@@ -210,6 +210,28 @@ async fn an_operator_ending_the_session_fires_the_signal_and_stops_every_call() 
     s.stop().await;
 }
 
+/// With `watch(true)` the server's own report fires the loss signal: the heartbeat here is an
+/// hour away and the TTL a minute, so neither could have told the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_session_learns_of_an_operator_end_from_the_server() {
+    let s = TestServer::start().await;
+    let session = Session::builder(Client::new(&s.url()).unwrap(), "client-test")
+        .ttl(Duration::from_secs(60))
+        .heartbeat_every(Duration::from_secs(3_600))
+        .watch(true)
+        .open()
+        .await
+        .unwrap();
+    let signal = session.loss_signal();
+    // The watch is open once the server counts it.
+    eventually(async || common::metric(&s, "leasehold_watches_open").await == Some(1.0)).await;
+    assert_eq!(signal.is_lost(), None);
+    admin_end(&s, session.id()).await;
+    let loss = tokio::time::timeout(PATIENCE, signal.lost()).await.unwrap();
+    assert_eq!(loss, Loss::Gone);
+    s.stop().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Injected latency: a proxy that holds every chunk for a settable time
 // ---------------------------------------------------------------------------------------------

@@ -894,5 +894,58 @@ async fn request_ids_of_two_tokens_never_collide() {
     // Each token's retry gets its own first answer.
     assert_eq!(enq(a, json!(1)).await.body, first.body);
     assert_eq!(enq(b, json!(1)).await.body, other.body);
+}
+
+#[tokio::test]
+async fn a_client_token_watches_only_its_own_sessions_within_its_cap() {
+    let tokens = [
+        tok("a", Role::Client),
+        tok("b", Role::Client),
+        tok("reader", Role::Reader),
+    ];
+    let sec = Secured::start(&tokens, |c| c.max_watches_per_token = 1).await;
+    let a = sec.as_("a");
+    let sid = open(&a, "alice").await;
+    let path = format!("/v1/sessions/{sid}/watch");
+    // Another client's token is told the session is gone, as for one that never existed.
+    assert_error(
+        &call(&sec.as_("b"), "GET", &path, None).await,
+        404,
+        "session_gone",
+    );
+    let unknown = format!("/v1/sessions/{}/watch", random_id());
+    assert_error(
+        &call(&sec.as_("b"), "GET", &unknown, None).await,
+        404,
+        "session_gone",
+    );
+    assert_error(
+        &call(&sec.anonymous(), "GET", &path, None).await,
+        401,
+        "unauthorized",
+    );
+    // Its owner and a reader may watch it.
+    for who in ["a", "reader"] {
+        let mut w = sec
+            .as_(who)
+            .watch(&sid)
+            .await
+            .unwrap()
+            .expect("the watch opens");
+        let first = tokio::time::timeout(Duration::from_secs(20), w.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.event, "snapshot", "{who}");
+        if who == "a" {
+            // One watch per token here: a second is 429 with Retry-After.
+            let second = sec.as_("a").watch(&sid).await.unwrap();
+            let r = second
+                .err()
+                .expect("a second watch of the token is refused");
+            assert_error(&r, 429, "too_many_watches");
+        }
+    }
     sec.s.stop().await;
 }

@@ -65,7 +65,7 @@ async fn end_session(
 ) -> Result<Json<CloseResponse>, ApiError> {
     caller.unscoped("force-ending a session")?;
     audit(&caller, "session_end", &id);
-    end(&acting(&app, &caller), id, EndReason::Admin).await
+    end(&app, &acting(&app, &caller), id, EndReason::Admin).await
 }
 
 #[derive(Deserialize)]
@@ -165,6 +165,7 @@ async fn reap(
         }));
     }
     let outcome = acting(&app, &caller).reap_now().await?;
+    app.watches.prompt();
     Ok(Json(ReapResponse::Done {
         dry_run: false,
         sessions_ended: outcome.sessions,

@@ -40,6 +40,10 @@ pub enum ApiError {
     },
     /// Too many requests already wait on this key, or for this token.
     TooManyWaiters(&'static str),
+    /// Too many session watches are open: this token's (`429`) or the node's (`503`).
+    TooManyWatches {
+        per_token: bool,
+    },
     Engine(BackendError),
 }
 
@@ -145,6 +149,20 @@ impl ApiError {
                 format!("too many requests already wait {what}; retry later or wait less"),
                 Some("wait_ms".into()),
             ),
+            ApiError::TooManyWatches { per_token: true } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_watches",
+                "this token already has max_watches_per_token watches open; close one or retry later"
+                    .into(),
+                None,
+            ),
+            ApiError::TooManyWatches { per_token: false } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too_many_watches",
+                "this node already serves max_watches watches; retry later or on another node"
+                    .into(),
+                None,
+            ),
             ApiError::Engine(e) => {
                 let (status, code) = match &e {
                     E::SessionGone => (StatusCode::NOT_FOUND, "session_gone"),
@@ -208,7 +226,7 @@ impl IntoResponse for ApiError {
         };
         let retry_after = match &self {
             ApiError::RateLimited { retry_after_s } => Some(*retry_after_s),
-            ApiError::TooManyWaiters(_) => Some(1),
+            ApiError::TooManyWaiters(_) | ApiError::TooManyWatches { .. } => Some(1),
             _ => None,
         };
         let (status, error, message, field) = self.parts();

@@ -12,6 +12,7 @@ mod pools;
 mod probes;
 mod retry;
 mod sessions;
+pub mod watch;
 mod wire;
 
 use std::collections::HashMap;
@@ -33,6 +34,8 @@ use extract::BodyLimit;
 pub struct AppState {
     pub engine: Engine,
     waits: Arc<Waits>,
+    /// The node's session watches.
+    pub watches: Arc<watch::Watches>,
 }
 
 /// Limits the API applies above the backend.
@@ -44,6 +47,8 @@ pub struct ApiLimits {
     pub max_waiters_per_key: u32,
     /// Most requests of one token waiting at once.
     pub max_waiters_per_token: u32,
+    /// Session watches: their caps, re-check and keep-alive.
+    pub watch: watch::WatchLimits,
 }
 
 impl ApiLimits {
@@ -133,9 +138,12 @@ pub fn acting(app: &AppState, caller: &gate::Caller) -> crate::engine::Engine {
     app.engine.acting_as(caller.actor())
 }
 
-/// Every route of the API, with the body limit, request metrics and panic catching.
-pub fn router(engine: Engine, limits: ApiLimits) -> Router {
+/// Every route of the API, with the body limit, request metrics and panic catching; and the
+/// node's watches, for the server to close as it shuts down.
+pub fn router(engine: Engine, limits: ApiLimits) -> (Router, Arc<watch::Watches>) {
+    let watches = watch::Watches::new(engine.clone(), limits.watch);
     let state = AppState {
+        watches: watches.clone(),
         engine,
         waits: Arc::new(Waits {
             per_key: parking_lot::Mutex::new(HashMap::new()),
@@ -149,8 +157,9 @@ pub fn router(engine: Engine, limits: ApiLimits) -> Router {
         bytes,
         read_timeout: limits.body_read_timeout,
     };
-    Router::new()
+    let router = Router::new()
         .merge(sessions::routes())
+        .merge(watch::routes())
         .merge(locks::routes())
         .merge(pools::routes())
         // A job's payload or result may itself be 64 KiB: its routes take that much more.
@@ -168,7 +177,8 @@ pub fn router(engine: Engine, limits: ApiLimits) -> Router {
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::Extension(body(max_body_bytes)))
         .layer(CatchPanicLayer::new())
-        .with_state(state)
+        .with_state(state);
+    (router, watches)
 }
 
 /// Counts every request by route template, method and status, and times it.

@@ -100,14 +100,17 @@ pub struct CloseResponse {
     pub revision: u64,
 }
 
-/// Ends a session for `reason`; shared with the admin route.
-/// Ends a session through `engine` (acting for an operator for a forced end).
+/// Ends a session for `reason` through `engine` (acting for an operator for a forced end);
+/// shared with the admin route. Its watchers on this node are told at once.
 pub async fn end(
+    app: &AppState,
     engine: &crate::engine::Engine,
     id: crate::domain::SessionId,
     reason: EndReason,
 ) -> Result<Json<CloseResponse>, ApiError> {
     let closed = engine.end(id, reason).await?;
+    // Its watchers learn of it now, not at the log's next re-check.
+    app.watches.prompt();
     Ok(Json(match closed {
         Some(c) => CloseResponse {
             released: c.released,
@@ -131,7 +134,7 @@ async fn close(
 ) -> Result<Json<CloseResponse>, ApiError> {
     caller.act(id)?;
     // A client's close of its own session names nobody: only operator actions do.
-    end(&app.engine, id, EndReason::Closed).await
+    end(&app, &app.engine, id, EndReason::Closed).await
 }
 
 async fn show(

@@ -389,6 +389,22 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_MAX_WAITERS_PER_TOKEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_waiters_per_token: Option<u32>,
+    /// Most session watches open on this node at once [default: 1000]
+    #[arg(long, env = "LEASEHOLD_MAX_WATCHES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_watches: Option<u32>,
+    /// Most session watches of one token open at once [default: 100]
+    #[arg(long, env = "LEASEHOLD_MAX_WATCHES_PER_TOKEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_watches_per_token: Option<u32>,
+    /// How often a watch re-reads its session unprompted, in ms [default: 1000]
+    #[arg(long, env = "LEASEHOLD_WATCH_RECHECK_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    watch_recheck_ms: Option<u64>,
+    /// How often an idle watch stream carries a keep-alive comment, in ms [default: 15000]
+    #[arg(long, env = "LEASEHOLD_WATCH_KEEPALIVE_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    watch_keepalive_ms: Option<u64>,
     /// The API tokens file; without one only loopback addresses may be served [default: none]
     #[arg(long, env = "LEASEHOLD_TOKENS_FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -91,6 +91,14 @@ impl Client {
         &self.base
     }
 
+    pub(super) fn bearer(&self) -> Option<&str> {
+        self.bearer.as_deref()
+    }
+
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     pub async fn call(
         &self,
         method: Method,

@@ -8,6 +8,8 @@
 //!   what they hold when dropped — [`LockGuard`] from [`Session::lock`], [`SeatGuard`] from
 //!   [`Session::seat`], [`JobGuard`] from [`Session::claim`] — and a [`LossSignal`] that
 //!   fires when the session can no longer be trusted.
+//! - [`Client::watch`]: the server's own account of a session as it happens ([`Watch`]):
+//!   `grace`, then each lock and seat lost and how the session ended.
 //!
 //! # The local deadline
 //!
@@ -55,8 +57,10 @@
 
 mod http;
 mod session;
+mod watch;
 
 pub use http::{Client, ClientError, Reply, segment};
 pub use session::{
     Backoff, Error, JobGuard, LockGuard, Loss, LossSignal, SeatGuard, Session, SessionBuilder,
 };
+pub use watch::{Watch, WatchEvent};

@@ -262,9 +262,19 @@ pub struct SessionBuilder {
     margin: Option<Duration>,
     metadata: Option<Value>,
     backoff: Backoff,
+    watch: bool,
 }
 
 impl SessionBuilder {
+    /// Also watch the session on the server (`GET /v1/sessions/{id}/watch`), so that the loss
+    /// signal fires as soon as the server reports the session ended (an operator's end, an
+    /// expiry), not only at the next heartbeat or the local deadline. The watch is reopened
+    /// after a dropped stream; the local deadline stays the authority when it cannot be.
+    pub fn watch(mut self, watch: bool) -> SessionBuilder {
+        self.watch = watch;
+        self
+    }
+
     /// The session's TTL (default 15 s; the server bounds it, by default to 1 s – 24 h).
     pub fn ttl(mut self, ttl: Duration) -> SessionBuilder {
         self.ttl = ttl;
@@ -341,6 +351,9 @@ impl SessionBuilder {
             releases,
         });
         let heartbeat = tokio::spawn(heartbeat_loop(shared.clone(), interval, granted));
+        if self.watch {
+            tokio::spawn(watch_loop(Arc::downgrade(&shared), shared.loss.subscribe()));
+        }
         let releaser = tokio::spawn(release_loop(
             shared.client.clone(),
             shared.id.clone(),
@@ -385,6 +398,53 @@ async fn heartbeat_loop(shared: Arc<Shared>, interval: Duration, ttl: Duration) 
                 return;
             }
         }
+    }
+}
+
+/// Follows the server's watch of the session and fires the loss signal when it reports the
+/// end. Holds the session's state only weakly, so that it never keeps a dropped session
+/// alive; ends with the loss (its own or any other).
+async fn watch_loop(shared: std::sync::Weak<Shared>, mut lost: watch::Receiver<Option<Loss>>) {
+    let mut retry = 0;
+    loop {
+        let Some(s) = shared.upgrade() else { return };
+        let (client, id, backoff) = (s.client.clone(), s.id.clone(), s.backoff);
+        drop(s);
+        let gone = tokio::select! {
+            g = follow_watch(&client, &id) => g,
+            _ = lost.wait_for(Option::is_some) => return,
+        };
+        if gone {
+            if let Some(s) = shared.upgrade() {
+                s.lose(Loss::Gone);
+            }
+            return;
+        }
+        // The stream ended without an end (a restart, a proxy, a refusal): watch again.
+        tokio::select! {
+            _ = tokio::time::sleep(backoff.delay(retry.min(16))) => {}
+            _ = lost.wait_for(Option::is_some) => return,
+        }
+        retry += 1;
+    }
+}
+
+/// Reads one watch of the session to its end; true when it said the session is gone.
+async fn follow_watch(client: &Client, id: &str) -> bool {
+    match client.watch(&segment(id)).await {
+        Ok(Ok(mut w)) => {
+            while let Ok(Some(e)) = w.next().await {
+                if e.is_loss() {
+                    return true;
+                }
+                if e.is_final() {
+                    return false;
+                }
+            }
+            false
+        }
+        Ok(Err(r)) => is_gone(&r),
+        Err(_) => false,
     }
 }
 
@@ -491,6 +551,7 @@ impl Session {
             margin: None,
             metadata: None,
             backoff: Backoff::default(),
+            watch: false,
         }
     }
 

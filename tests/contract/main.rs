@@ -33,6 +33,7 @@ mod retries;
 mod service;
 mod sessions;
 mod waiters;
+mod watch;
 
 /// One `#[tokio::test]` per backend and listed test. An entry is the test's name, then
 /// optionally `on Real` (the real clock instead of the manual one) and `with <tweak>` (a
@@ -207,6 +208,21 @@ contract! {
         concurrent_retries_with_one_request_id_act_once,
         retries_of_a_waiting_acquire_get_its_grant,
         a_request_id_survives_a_restart,
+    }
+    watch {
+        a_watcher_sees_grace_then_the_expiry_with_each_lock_and_seat_lost with crate::watch::quick,
+        a_watcher_sees_an_operator_end with crate::watch::quick,
+        a_watcher_sees_its_client_close with crate::watch::quick,
+        watching_a_gone_session_is_404,
+        a_shutdown_ends_every_watch_rather_than_waiting_on_it with |c| {
+            crate::watch::quick(c);
+            c.shutdown_grace_ms = 60_000;
+        },
+        watches_over_the_cap_are_refused with |c| {
+            crate::watch::quick(c);
+            c.max_watches = 1;
+            c.max_watches_per_token = 1;
+        },
     }
     durability {
         seats_and_jobs_survive_a_restart,
