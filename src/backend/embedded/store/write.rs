@@ -13,7 +13,8 @@ use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
     META_SESSION_ROW, POOLS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS,
-    SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowRef, corrupt, counter, row_of,
+    SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowHead, SessionRowRef, corrupt, counter,
+    row_of,
 };
 use crate::domain::{Change, Event, JobRecord, JobStatus, UnixMs};
 
@@ -102,6 +103,8 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let mut payloads = txn.open_table(JOB_PAYLOADS).map_err(StoreError::redb)?;
     let mut by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
     let mut session_jobs = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
+    // The hash the batch's next event chains from, once the first has looked it up.
+    let mut chain_head: Option<chain::Hash> = None;
 
     for change in batch.changes {
         match change {
@@ -146,14 +149,13 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 else {
                     continue;
                 };
-                let removed = rows
-                    .remove(row)
-                    .map_err(StoreError::redb)?
-                    .map(|b| codec::decode::<SessionRow>(b.value()));
-                if let Some(stored) = removed {
-                    let stored = stored.map_err(corrupt("session"))?;
+                let removed = rows.remove(row).map_err(StoreError::redb)?;
+                if let Some(bytes) = removed {
+                    let head: SessionRowHead<'_> =
+                        codec::decode_head(bytes.value()).map_err(corrupt("session"))?;
+                    debug_assert_eq!(head.id, *id);
                     by_owner
-                        .remove((stored.record.owner.as_str(), id.as_u128()))
+                        .remove((head.owner, id.as_u128()))
                         .map_err(StoreError::redb)?;
                 }
             }
@@ -262,7 +264,11 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                     return Err(StoreError::EventExists { seq: event.seq });
                 }
                 // Hashed as it is appended, over the very bytes stored.
-                chain::append(&mut hashes, event.seq, &bytes)?;
+                let prev = match chain_head {
+                    Some(h) => h,
+                    None => chain::head(&hashes)?,
+                };
+                chain_head = Some(chain::append(&mut hashes, &prev, event.seq, &bytes)?);
             }
         }
     }
