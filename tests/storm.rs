@@ -1,5 +1,7 @@
 //! A storm of expiries on the embedded backend, worked off by the background reaper's paced
-//! passes while a live client keeps taking and releasing a lock.
+//! passes while a live client keeps taking and releasing a lock: once in many small passes,
+//! once in a few passes of thousands of sessions each (one commit per pass), as a storm runs
+//! when a pass may take as long as the commit it rides.
 //!
 //! The failure this guards against: a reaper made faster by a new store layout (rows keyed
 //! by creation order, grants indexed by row) that ends a session twice across two passes,
@@ -27,14 +29,34 @@ fn key(text: &str) -> LockKey {
     LockKey::parse("key", text).unwrap()
 }
 
-fn start(dir: &std::path::Path, clock: &ManualClock) -> Engine {
+/// How the reaper's passes are sized in a run.
+#[derive(Clone, Copy)]
+struct Pacing {
+    pass_ms: u64,
+    batch: usize,
+}
+
+/// Small passes, so the storm takes many of them with the live client's requests served
+/// between.
+const SMALL_PASSES: Pacing = Pacing {
+    pass_ms: 1,
+    batch: 10_000,
+};
+
+/// Passes as large as the batch allows, each ending thousands of sessions in one commit, as
+/// a storm on a slow disk is worked off: a pass may take as long as the commit it rides.
+const LARGE_PASSES: Pacing = Pacing {
+    pass_ms: 10_000,
+    batch: 2_500,
+};
+
+fn start(dir: &std::path::Path, clock: &ManualClock, pacing: Pacing) -> Engine {
     let store = Store::open(dir, 64 << 20).unwrap();
     let config = EngineConfig {
         reaper_enabled: true,
         reaper_interval_ms: 20,
-        // Small passes, so the storm takes many of them with the live client's requests
-        // served between.
-        reaper_pass_ms: 1,
+        reaper_pass_ms: pacing.pass_ms,
+        reaper_batch: pacing.batch,
         ..EngineConfig::default()
     };
     let clock: Arc<dyn Clock> = Arc::new(clock.clone());
@@ -45,9 +67,18 @@ fn start(dir: &std::path::Path, clock: &ManualClock) -> Engine {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_storm_of_expiries_audits_every_session_once_and_frees_every_lock() {
+    storm(SMALL_PASSES).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_in_large_passes_audits_every_session_once_and_frees_every_lock() {
+    storm(LARGE_PASSES).await;
+}
+
+async fn storm(pacing: Pacing) {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(UnixMs(1_800_000_000_000));
-    let engine = start(dir.path(), &clock);
+    let engine = start(dir.path(), &clock, pacing);
 
     let live = engine
         .open("live".into(), Some(600_000), None)
@@ -155,7 +186,7 @@ async fn a_storm_of_expiries_audits_every_session_once_and_frees_every_lock() {
     drop(engine);
 
     // What the storm committed is what a restart finds: no dying session comes back.
-    let engine = start(dir.path(), &clock);
+    let engine = start(dir.path(), &clock, pacing);
     let (sessions, _) = engine.sessions(None, None, 100).await.unwrap();
     assert_eq!(sessions.len(), 1);
     assert_eq!(sessions[0].id, live);

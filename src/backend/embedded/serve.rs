@@ -18,6 +18,14 @@ impl Writer {
             for e in std::mem::take(&mut self.fx.ended) {
                 self.tally.ended(&e);
             }
+            // With no one waiting there is no one to serve: a storm's freed keys are dropped
+            // here rather than each looked up in the state and the lines.
+            if waiters.len() == 0 {
+                self.fx.freed_locks.clear();
+                self.fx.freed_pools.clear();
+                self.fx.ready_queues.clear();
+                return;
+            }
             let locks = std::mem::take(&mut self.fx.freed_locks);
             let pools = std::mem::take(&mut self.fx.freed_pools);
             let queues = std::mem::take(&mut self.fx.ready_queues);

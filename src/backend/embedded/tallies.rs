@@ -3,14 +3,15 @@
 
 use std::collections::BTreeSet;
 
-use crate::domain::{Change, EndReason, Ended, JobOutcome, PoolName, QueueName, State};
+use crate::domain::{Change, EndReason, Ended, JobOutcome, PoolName, QueueName, SessionId, State};
 use crate::metrics::{Metrics, ReasonLabel};
 
 /// The log line of one ended session, written once its batch has committed.
 pub struct EndLine {
-    /// The id's first eight hex digits, never the whole id: the id is a capability, and 32 of
-    /// its 122 random bits are enough to find it in the audit log and too few to act with.
-    session: String,
+    /// Logged as its first eight hex digits, never the whole id: the id is a capability, and
+    /// 32 of its 122 random bits are enough to find it in the audit log and too few to act
+    /// with. Kept as the id, so a storm's lines cost no text until they are written.
+    session: SessionId,
     reason: EndReason,
     locks: usize,
     seats: usize,
@@ -20,7 +21,7 @@ pub struct EndLine {
 impl EndLine {
     pub fn log(&self) {
         tracing::info!(
-            session = %self.session,
+            session = %self.session.log_prefix(),
             reason = self.reason.as_str(),
             locks = self.locks,
             seats = self.seats,
@@ -58,13 +59,17 @@ impl Tally {
             EndReason::Admin => 2,
         };
         self.ended[i] += 1;
-        self.ends.push(EndLine {
-            session: e.id.log_prefix(),
-            reason: e.reason,
-            locks: e.released.len(),
-            seats: e.seats.len(),
-            jobs: e.jobs.len(),
-        });
+        // Lines that the log level would drop are not collected: a storm's hundred thousand
+        // ends would otherwise be kept only to be thrown away.
+        if tracing::enabled!(tracing::Level::INFO) {
+            self.ends.push(EndLine {
+                session: e.id,
+                reason: e.reason,
+                locks: e.released.len(),
+                seats: e.seats.len(),
+                jobs: e.jobs.len(),
+            });
+        }
         if e.reason == EndReason::Expired {
             self.released_by_expiry += e.released.len() as u64;
         }

@@ -20,7 +20,7 @@ use super::shared::Shared;
 use super::store::Batch;
 use super::tallies::Tally;
 use crate::backend::BackendError;
-use crate::backend::pacing::PassSizer;
+use crate::backend::pacing::{PassCost, PassSizer};
 use crate::domain::{At, Effects, UnixMs};
 
 /// A paced pass in the batch being built: what it ended and what that cost before the
@@ -176,13 +176,15 @@ impl Writer {
             match result {
                 Ok(done) => {
                     m.events_trimmed.inc_by(done.events_trimmed as u64);
-                    if let Some(pass) = self.paced.take() {
-                        // The pass's share of the commit, by its share of the changes:
-                        // writing the B-trees and the pages it dirtied, and the sync.
-                        let total = self.fx.changes.len().max(1);
-                        let share = commit_took.mul_f64(pass.changes as f64 / total as f64);
-                        self.sizer.observe(pass.sessions, pass.domain + share);
-                    }
+                    // The pass's share of what the batch's contents added to its commit,
+                    // by its share of the changes; the commit a batch pays anyway is not
+                    // its cost.
+                    let pass = self.paced.take().map(|pass| PassCost {
+                        sessions: pass.sessions,
+                        domain: pass.domain,
+                        share: pass.changes as f64 / self.fx.changes.len().max(1) as f64,
+                    });
+                    self.sizer.observe_commit(commit_took, pass);
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "commit failed; refusing writes from now on");

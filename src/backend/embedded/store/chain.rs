@@ -29,24 +29,28 @@ fn hash_of(bytes: &[u8]) -> Option<Hash> {
     bytes.try_into().ok()
 }
 
-/// Appends the hash of the event `seq` with stored `bytes`, chained from the latest hash.
-/// Sequence numbers only grow, so the latest hash is the previous event's.
-pub(super) fn append(
-    hashes: &mut Table<u64, &[u8]>,
-    seq: u64,
-    bytes: &[u8],
-) -> Result<(), StoreError> {
-    let prev = match hashes.last().map_err(StoreError::redb)? {
+/// The hash the next appended event chains from: the last stored hash (sequence numbers
+/// only grow, so it is the previous event's), or zeros before the first.
+pub(super) fn head(hashes: &Table<u64, &[u8]>) -> Result<Hash, StoreError> {
+    Ok(match hashes.last().map_err(StoreError::redb)? {
         Some((_, h)) => hash_of(h.value()).unwrap_or([0; 32]),
         None => [0; 32],
-    };
-    let h = link(&prev, seq, bytes);
-    hashes.insert(seq, h.as_slice()).map_err(StoreError::redb)?;
-    Ok(())
+    })
 }
 
-/// After events up to `last_trimmed` were deleted: drops their hashes but that one, the
-/// anchor of the events kept.
+/// Appends the hash of event `seq` (stored as `bytes`) chained from `prev`, and returns it:
+/// the `prev` of the next event, so a batch of events looks the head up once, not once each.
+pub(super) fn append(
+    hashes: &mut Table<u64, &[u8]>,
+    prev: &Hash,
+    seq: u64,
+    bytes: &[u8],
+) -> Result<Hash, StoreError> {
+    let h = link(prev, seq, bytes);
+    hashes.insert(seq, h.as_slice()).map_err(StoreError::redb)?;
+    Ok(h)
+}
+
 pub(super) fn trim(hashes: &mut Table<u64, &[u8]>, last_trimmed: u64) -> Result<(), StoreError> {
     let below: Vec<u64> = hashes
         .range(..last_trimmed)

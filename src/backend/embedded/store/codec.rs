@@ -34,6 +34,13 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
 }
 
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    decode_head(bytes)
+}
+
+/// Decodes the leading fields of a record, borrowing its text from `bytes`: for a reader
+/// that needs one field of a record and not a copy of all of it. Postcard is positional and
+/// fields are only appended, so a struct of a record's first fields reads its bytes.
+pub fn decode_head<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
     match bytes.split_first() {
         None => Err(CodecError::Empty),
         Some((&FORMAT_V1, rest)) => Ok(postcard::from_bytes(rest)?),

@@ -113,6 +113,15 @@ pub(super) struct SessionRowRef<'a> {
     pub record: &'a SessionRecord,
 }
 
+/// The first fields of a stored [`SessionRow`], borrowed: what ending a session needs of
+/// its row (the owner, to remove it from the owner index), without copying the record.
+#[derive(Deserialize)]
+pub(super) struct SessionRowHead<'a> {
+    pub id: SessionId,
+    #[serde(borrow)]
+    pub owner: &'a str,
+}
+
 /// Something done to every table of the data file.
 pub(super) trait EachTable {
     fn table<K: Key + 'static, V: Value + 'static>(

@@ -13,8 +13,8 @@ use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
     META_SESSION_ROW, POOLS, REQUEST_IDS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS,
-    SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowRef, corrupt, counter,
-    row_of,
+    SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowHead, SessionRowRef,
+    corrupt, counter, row_of,
 };
 use crate::domain::{Change, JobRecord, JobStatus, UnixMs};
 
@@ -104,6 +104,8 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let mut by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
     let mut session_jobs = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
     let mut requests = txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
+    // The hash the batch's next event chains from, once the first has looked it up.
+    let mut chain_head: Option<chain::Hash> = None;
 
     for change in batch.changes {
         match change {
@@ -148,14 +150,13 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 else {
                     continue;
                 };
-                let removed = rows
-                    .remove(row)
-                    .map_err(StoreError::redb)?
-                    .map(|b| codec::decode::<SessionRow>(b.value()));
-                if let Some(stored) = removed {
-                    let stored = stored.map_err(corrupt("session"))?;
+                let removed = rows.remove(row).map_err(StoreError::redb)?;
+                if let Some(bytes) = removed {
+                    let head: SessionRowHead<'_> =
+                        codec::decode_head(bytes.value()).map_err(corrupt("session"))?;
+                    debug_assert_eq!(head.id, *id);
                     by_owner
-                        .remove((stored.record.owner.as_str(), id.as_u128()))
+                        .remove((head.owner, id.as_u128()))
                         .map_err(StoreError::redb)?;
                 }
             }
@@ -264,7 +265,11 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                     return Err(StoreError::EventExists { seq: event.seq });
                 }
                 // Hashed as it is appended, over the very bytes stored.
-                chain::append(&mut hashes, event.seq, &bytes)?;
+                let prev = match chain_head {
+                    Some(h) => h,
+                    None => chain::head(&hashes)?,
+                };
+                chain_head = Some(chain::append(&mut hashes, &prev, event.seq, &bytes)?);
             }
             Change::PutRequest { key, record } => {
                 requests
