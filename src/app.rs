@@ -133,7 +133,7 @@ impl App {
             source,
         })?;
         let api = config.api();
-        let router = crate::api::router(engine.clone(), api);
+        let router = crate::api::Api::new(engine.clone(), api);
         let gate = Arc::new(Gate {
             auth: auth.clone(),
             metrics_open: config.metrics_open,

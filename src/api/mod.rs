@@ -6,6 +6,7 @@ pub mod error;
 mod events;
 mod extract;
 pub mod gate;
+mod hot;
 mod jobs;
 mod locks;
 mod pools;
@@ -126,16 +127,49 @@ pub fn audit(caller: &gate::Caller, action: &str, target: &impl std::fmt::Displa
     tracing::info!(target: "leasehold::audit", token = caller.name(), action, %target, "admin action");
 }
 
+/// The API as the server calls it: the hot routes on their short way, the rest through the
+/// router.
+#[derive(Clone)]
+pub struct Api {
+    router: Router,
+    hot: Arc<hot::Hot>,
+}
+
+impl Api {
+    /// Every route of the API, with the body limit, request metrics and panic catching.
+    pub fn new(engine: Engine, limits: ApiLimits) -> Api {
+        let state = AppState {
+            engine,
+            waits: Arc::new(Waits {
+                per_key: parking_lot::Mutex::new(HashMap::new()),
+                max_per_key: limits.max_waiters_per_key,
+                max_per_token: limits.max_waiters_per_token,
+            }),
+        };
+        let body = BodyLimit {
+            bytes: limits.max_body_bytes,
+            read_timeout: limits.body_read_timeout,
+        };
+        Api {
+            hot: Arc::new(hot::Hot::new(state.clone(), body)),
+            router: router(state, limits),
+        }
+    }
+
+    /// Answers one request the gate let through.
+    pub async fn call(self, req: hyper::Request<hyper::body::Incoming>) -> Response {
+        match hot::route(req.method(), req.uri().path()) {
+            Some(route) => hot::catch_panic(self.hot.serve(route, req)).await,
+            None => match tower::ServiceExt::oneshot(self.router, req).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            },
+        }
+    }
+}
+
 /// Every route of the API, with the body limit, request metrics and panic catching.
-pub fn router(engine: Engine, limits: ApiLimits) -> Router {
-    let state = AppState {
-        engine,
-        waits: Arc::new(Waits {
-            per_key: parking_lot::Mutex::new(HashMap::new()),
-            max_per_key: limits.max_waiters_per_key,
-            max_per_token: limits.max_waiters_per_token,
-        }),
-    };
+fn router(state: AppState, limits: ApiLimits) -> Router {
     let max_body_bytes = limits.max_body_bytes;
     let job_body_limit = limits.job_body_bytes();
     let body = |bytes| BodyLimit {
