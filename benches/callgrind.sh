@@ -7,11 +7,13 @@
 #
 #   benches/callgrind.sh BINARY... 
 #
-# WORKLOADS (default "heartbeat lock-churn"), CLIENTS (16), SHORT and LONG (seconds, 3 and
-# 9). Prints one JSON line per binary and workload. Needs valgrind. Not part of CI.
+# WORKLOADS (default "heartbeat lock-churn healthz"), CLIENTS (16), SHORT and LONG (seconds, 3
+# and 9). `healthz` is `GET /healthz` driven by `wrk` (CLIENTS connections, one thread): the
+# cost of the HTTP layer alone, with no rule and no store behind it. Prints one JSON line per
+# binary and workload. Needs valgrind (and wrk for healthz). Not part of CI.
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 BINARY..." >&2; exit 2; }
-workloads="${WORKLOADS:-heartbeat lock-churn}"
+workloads="${WORKLOADS:-heartbeat lock-churn healthz}"
 clients="${CLIENTS:-16}"
 short="${SHORT:-3}"
 long="${LONG:-9}"
@@ -35,9 +37,14 @@ measure() {
         sleep 0.1
     done
     local ops
-    ops="$("$driver" bench --server "http://127.0.0.1:$port" --workload "$workload" \
-        --clients "$clients" --sessions 1000 --keys 1000 --warmup 1 --duration "$secs" \
-        --json --quiet | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["ops"])')"
+    if [ "$workload" = healthz ]; then
+        ops="$(wrk -t1 -c"$clients" -d"${secs}s" "http://127.0.0.1:$port/healthz" |
+            awk '/requests in/ {print $1}')"
+    else
+        ops="$("$driver" bench --server "http://127.0.0.1:$port" --workload "$workload" \
+            --clients "$clients" --sessions 1000 --keys 1000 --warmup 1 --duration "$secs" \
+            --json --quiet | python3 -c 'import json,sys; r=json.load(sys.stdin); print(r["ops"])')"
+    fi
     kill -TERM "$pid" 2>/dev/null || { echo "server $bin exited early:" >&2; tail -5 "$work/server.log" >&2; }
     wait "$pid" 2>/dev/null || true
     pid=""
