@@ -127,6 +127,36 @@ pub fn audit(caller: &gate::Caller, action: &str, target: &impl std::fmt::Displa
     tracing::info!(target: "leasehold::audit", token = caller.name(), action, %target, "admin action");
 }
 
+/// Every route of the API, with the body limit, request metrics and panic catching.
+fn router(state: AppState, limits: ApiLimits) -> Router {
+    let max_body_bytes = limits.max_body_bytes;
+    let job_body_limit = limits.job_body_bytes();
+    let body = |bytes| BodyLimit {
+        bytes,
+        read_timeout: limits.body_read_timeout,
+    };
+    Router::new()
+        .merge(sessions::routes())
+        .merge(locks::routes())
+        .merge(pools::routes())
+        // A job's payload or result may itself be 64 KiB: its routes take that much more.
+        .merge(
+            jobs::routes()
+                .layer(DefaultBodyLimit::max(job_body_limit))
+                .layer(axum::Extension(body(job_body_limit))),
+        )
+        .merge(events::routes())
+        .merge(admin::routes())
+        .merge(probes::routes())
+        .fallback(|| async { ApiError::NotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::Extension(body(max_body_bytes)))
+        .layer(CatchPanicLayer::new())
+        .with_state(state)
+}
+
 /// The API as the server calls it: the hot routes on their short way, the rest through the
 /// router.
 #[derive(Clone)]
@@ -166,36 +196,6 @@ impl Api {
             },
         }
     }
-}
-
-/// Every route of the API, with the body limit, request metrics and panic catching.
-fn router(state: AppState, limits: ApiLimits) -> Router {
-    let max_body_bytes = limits.max_body_bytes;
-    let job_body_limit = limits.job_body_bytes();
-    let body = |bytes| BodyLimit {
-        bytes,
-        read_timeout: limits.body_read_timeout,
-    };
-    Router::new()
-        .merge(sessions::routes())
-        .merge(locks::routes())
-        .merge(pools::routes())
-        // A job's payload or result may itself be 64 KiB: its routes take that much more.
-        .merge(
-            jobs::routes()
-                .layer(DefaultBodyLimit::max(job_body_limit))
-                .layer(axum::Extension(body(job_body_limit))),
-        )
-        .merge(events::routes())
-        .merge(admin::routes())
-        .merge(probes::routes())
-        .fallback(|| async { ApiError::NotFound })
-        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
-        .layer(middleware::from_fn_with_state(state.clone(), observe))
-        .layer(DefaultBodyLimit::max(max_body_bytes))
-        .layer(axum::Extension(body(max_body_bytes)))
-        .layer(CatchPanicLayer::new())
-        .with_state(state)
 }
 
 /// Counts every request by route template, method and status, and times it.
