@@ -135,7 +135,7 @@ impl App {
             source,
         })?;
         let api = config.api();
-        let (router, watches) = crate::api::router(engine.clone(), api);
+        let (router, watches) = crate::api::Api::new(engine.clone(), api);
         let gate = Arc::new(Gate {
             auth: auth.clone(),
             metrics_open: config.metrics_open,

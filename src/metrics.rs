@@ -7,6 +7,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use std::sync::OnceLock;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -39,6 +40,58 @@ pub struct RequestLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabel {
     pub route: String,
+}
+
+/// One route's request count and latency, resolved once: counting a request on it builds,
+/// hashes and allocates no label set. The series are the same as `http_requests` and
+/// `http_request_duration_seconds` give any other route (route template, method, status),
+/// and each appears with its first request, as there.
+pub struct RouteMeter {
+    route: &'static str,
+    method: &'static str,
+    /// The counters of the statuses in [`METERED_STATUSES`], each made on first use.
+    by_status: [OnceLock<Counter>; METERED_STATUSES.len()],
+    seconds: OnceLock<Histogram>,
+    requests: Family<RequestLabels, Counter>,
+    request_seconds: Family<RouteLabel, Histogram>,
+}
+
+/// The statuses a metered route answers often enough to keep a handle for; any other is
+/// counted through its family, as every status of an unmetered route is.
+const METERED_STATUSES: [u16; 8] = [200, 201, 400, 403, 404, 409, 413, 429];
+
+impl RouteMeter {
+    pub fn route(&self) -> &'static str {
+        self.route
+    }
+
+    pub fn method(&self) -> &'static str {
+        self.method
+    }
+
+    /// Counts one answer of `status` that took `elapsed`.
+    pub fn observe(&self, status: u16, elapsed: std::time::Duration) {
+        let labels = || RequestLabels {
+            route: self.route.to_owned(),
+            method: self.method.to_owned(),
+            status,
+        };
+        match METERED_STATUSES.iter().position(|&s| s == status) {
+            Some(i) => self.by_status[i]
+                .get_or_init(|| self.requests.get_or_create(&labels()).clone())
+                .inc(),
+            None => self.requests.get_or_create(&labels()).inc(),
+        };
+        self.seconds
+            .get_or_init(|| {
+                self.request_seconds
+                    .get_or_create(&RouteLabel {
+                        route: self.route.to_owned(),
+                    })
+                    .clone()
+            })
+            .observe(elapsed.as_secs_f64());
+    }
 }
 
 /// The `reason` values of `leasehold_sessions_ended_total` (`EndReason::as_str`).
@@ -318,6 +371,18 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
+    /// The request meter of one route template and method.
+    pub fn route_meter(&self, route: &'static str, method: &'static str) -> RouteMeter {
+        RouteMeter {
+            route,
+            method,
+            by_status: Default::default(),
+            seconds: OnceLock::new(),
+            requests: self.requests.clone(),
+            request_seconds: self.request_seconds.clone(),
+        }
+    }
+
     /// Publishes the backend's durability class, the only series of its family.
     pub fn set_backend_durability(&self, class: &'static str) {
         self.backend_durability.clear();
@@ -392,6 +457,27 @@ mod tests {
         assert!(text.contains("leasehold_sessions_opened_total 1"), "{text}");
         assert!(text.contains("leasehold_sessions_ended_total{reason=\"expired\"} 1"));
         assert!(text.contains("leasehold_sessions_active"));
+    }
+
+    #[test]
+    fn a_route_meter_counts_into_the_request_families() {
+        let m = Metrics::new();
+        let meter = m.route_meter("/v1/locks/{key}/acquire", "POST");
+        assert!(!m.render().contains("route=\"/v1/locks/{key}/acquire\""));
+        meter.observe(200, std::time::Duration::from_micros(70));
+        meter.observe(200, std::time::Duration::from_micros(70));
+        meter.observe(409, std::time::Duration::from_micros(70));
+        meter.observe(503, std::time::Duration::from_micros(70));
+        let text = m.render();
+        for (status, n) in [(200, 2), (409, 1), (503, 1)] {
+            let line = format!(
+                "leasehold_http_requests_total{{route=\"/v1/locks/{{key}}/acquire\",method=\"POST\",status=\"{status}\"}} {n}"
+            );
+            assert!(text.contains(&line), "{line} missing:\n{text}");
+        }
+        let count =
+            "leasehold_http_request_duration_seconds_count{route=\"/v1/locks/{key}/acquire\"} 4";
+        assert!(text.contains(count), "{count} missing:\n{text}");
     }
 
     #[test]

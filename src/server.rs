@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use axum::Router;
 use axum::response::IntoResponse;
 use hyper::Request;
 use hyper::body::Incoming;
@@ -23,8 +22,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
-use tower::ServiceExt;
 
+use crate::api::Api;
 use crate::api::gate::Gate;
 
 /// Connection limits and timeouts.
@@ -95,7 +94,7 @@ const TOO_MANY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: appl
 /// Taking a bound listener lets tests bind port 0.
 pub async fn run(
     listener: TcpListener,
-    app: Router,
+    app: Api,
     gate: Arc<Gate>,
     tls: Option<Arc<crate::tls::Tls>>,
     limits: ServerLimits,
@@ -143,7 +142,7 @@ pub async fn run(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let router = app.clone();
+        let api = app.clone();
         let gate = gate.clone();
         let http = http.clone();
         let watcher = graceful.watcher();
@@ -156,7 +155,7 @@ pub async fn run(
             match tls {
                 None => {
                     let io = Tracked::new(stream, origin, state.clone());
-                    serve(http, io, router, gate, watcher, state, origin, limits, peer).await
+                    serve(http, io, api, gate, watcher, state, origin, limits, peer).await
                 }
                 Some(tls) => {
                     // The handshake counts against the header read timeout: a client that
@@ -166,7 +165,7 @@ pub async fn run(
                         return;
                     };
                     let io = Tracked::new(stream, origin, state.clone());
-                    serve(http, io, router, gate, watcher, state, origin, limits, peer).await
+                    serve(http, io, api, gate, watcher, state, origin, limits, peer).await
                 }
             }
         });
@@ -186,7 +185,7 @@ pub async fn run(
 async fn serve<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     http: http1::Builder,
     io: Tracked<S>,
-    router: Router,
+    api: Api,
     gate: Arc<Gate>,
     watcher: hyper_util::server::graceful::Watcher,
     state: Arc<ConnState>,
@@ -195,14 +194,11 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     peer: std::net::SocketAddr,
 ) {
     let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
-        let router = router.clone();
+        let api = api.clone();
         let admitted = gate.admit(&mut req);
         async move {
             let response = match admitted {
-                Ok(()) => match router.oneshot(req).await {
-                    Ok(r) => r,
-                    Err(never) => match never {},
-                },
+                Ok(()) => api.call(req).await,
                 Err(refusal) => refusal.into_response(),
             };
             Ok::<_, Infallible>(response)
@@ -300,14 +296,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Tracked<S> {
             self.state.started.notify_one();
             self.tail = 0;
         }
-        if self.state.phase.load(Ordering::Relaxed) == HEADERS {
-            for &b in data {
-                self.tail = (self.tail << 8) | u32::from(b);
-                if self.tail == u32::from_be_bytes(*b"\r\n\r\n") {
-                    self.state.phase.store(BODY, Ordering::Relaxed);
-                    break;
-                }
-            }
+        if self.state.phase.load(Ordering::Relaxed) == HEADERS && ends_headers(&mut self.tail, data)
+        {
+            self.state.phase.store(BODY, Ordering::Relaxed);
         }
     }
 
@@ -322,6 +313,29 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Tracked<S> {
         }
         Poll::Ready(Ok(()))
     }
+}
+
+const BLANK_LINE: u32 = u32::from_be_bytes(*b"\r\n\r\n");
+
+/// Whether `data`, read after the bytes whose last four `tail` holds, completes a blank line
+/// (the end of the headers); `tail` becomes the last four bytes read. Any blank line since
+/// the headers began will do, and a body's lies after the headers' own, so the search runs
+/// from the end, where the blank line of a request with a small body is found at once.
+fn ends_headers(tail: &mut u32, data: &[u8]) -> bool {
+    // A blank line across the two reads ends in the first three bytes of this one.
+    for &b in data.iter().take(3) {
+        *tail = (*tail << 8) | u32::from(b);
+        if *tail == BLANK_LINE {
+            return true;
+        }
+    }
+    if data.windows(4).rev().any(|w| w == b"\r\n\r\n") {
+        return true;
+    }
+    for &b in data.iter().skip(3).rev().take(4).rev() {
+        *tail = (*tail << 8) | u32::from(b);
+    }
+    false
 }
 
 /// hyper's own refusal of a request it could not parse: an error status and no
@@ -427,5 +441,31 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         std::task::ready!(self.poll_pending(cx))?;
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_end_of_the_headers_is_found_in_one_read_or_across_reads() {
+        let whole = b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\n{}";
+        for split in 0..whole.len() {
+            let (a, b) = whole.split_at(split);
+            let mut tail = 0;
+            let first = ends_headers(&mut tail, a);
+            let found = first || ends_headers(&mut tail, b);
+            assert!(found, "split at {split}");
+            // Found no earlier than the read that completes the blank line.
+            assert_eq!(first, split >= whole.len() - 2, "split at {split}");
+        }
+        // Byte by byte.
+        let mut tail = 0;
+        let at = whole.iter().position(|&b| ends_headers(&mut tail, &[b]));
+        assert_eq!(at, Some(whole.len() - 3));
+        let mut tail = 0;
+        assert!(!ends_headers(&mut tail, b"GET / HTTP/1.1\r\nhost: a\r\n"));
+        assert!(ends_headers(&mut tail, b"\r\n"));
     }
 }

@@ -28,7 +28,7 @@ pub fn routes() -> Router<AppState> {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct AcquireRequest {
+pub(super) struct AcquireRequest {
     session_id: String,
     wait_ms: Option<Whole>,
     /// Makes a retry safe: see `retry`.
@@ -36,14 +36,14 @@ struct AcquireRequest {
 }
 
 #[derive(Serialize)]
-struct AcquireResponse {
+pub(super) struct AcquireResponse {
     key: String,
     token: u64,
     session_id: String,
     revision: u64,
 }
 
-async fn acquire(
+pub(super) async fn acquire(
     State(app): State<AppState>,
     caller: Caller,
     KeyPath(key): KeyPath,
@@ -87,19 +87,19 @@ async fn acquire(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ReleaseRequest {
+pub(super) struct ReleaseRequest {
     session_id: String,
     token: Whole,
     request_id: Option<String>,
 }
 
 #[derive(Serialize)]
-struct ReleaseResponse {
+pub(super) struct ReleaseResponse {
     released: bool,
     revision: u64,
 }
 
-async fn release(
+pub(super) async fn release(
     State(app): State<AppState>,
     caller: Caller,
     KeyPath(key): KeyPath,

@@ -6,6 +6,7 @@ pub mod error;
 mod events;
 mod extract;
 pub mod gate;
+mod hot;
 mod jobs;
 mod locks;
 mod pools;
@@ -138,26 +139,15 @@ pub fn acting(app: &AppState, caller: &gate::Caller) -> crate::engine::Engine {
     app.engine.acting_as(caller.actor())
 }
 
-/// Every route of the API, with the body limit, request metrics and panic catching; and the
-/// node's watches, for the server to close as it shuts down.
-pub fn router(engine: Engine, limits: ApiLimits) -> (Router, Arc<watch::Watches>) {
-    let watches = watch::Watches::new(engine.clone(), limits.watch);
-    let state = AppState {
-        watches: watches.clone(),
-        engine,
-        waits: Arc::new(Waits {
-            per_key: parking_lot::Mutex::new(HashMap::new()),
-            max_per_key: limits.max_waiters_per_key,
-            max_per_token: limits.max_waiters_per_token,
-        }),
-    };
+/// Every route of the API, with the body limit, request metrics and panic catching.
+fn router(state: AppState, limits: ApiLimits) -> Router {
     let max_body_bytes = limits.max_body_bytes;
     let job_body_limit = limits.job_body_bytes();
     let body = |bytes| BodyLimit {
         bytes,
         read_timeout: limits.body_read_timeout,
     };
-    let router = Router::new()
+    Router::new()
         .merge(sessions::routes())
         .merge(watch::routes())
         .merge(locks::routes())
@@ -177,8 +167,52 @@ pub fn router(engine: Engine, limits: ApiLimits) -> (Router, Arc<watch::Watches>
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::Extension(body(max_body_bytes)))
         .layer(CatchPanicLayer::new())
-        .with_state(state);
-    (router, watches)
+        .with_state(state)
+}
+
+/// The API as the server calls it: the hot routes on their short way, the rest through the
+/// router.
+#[derive(Clone)]
+pub struct Api {
+    router: Router,
+    hot: Arc<hot::Hot>,
+}
+
+impl Api {
+    /// Every route of the API, with the body limit, request metrics and panic catching; and the
+    /// node's watches, for the server to close as it shuts down.
+    pub fn new(engine: Engine, limits: ApiLimits) -> (Api, Arc<watch::Watches>) {
+        let watches = watch::Watches::new(engine.clone(), limits.watch);
+        let state = AppState {
+            watches: watches.clone(),
+            engine,
+            waits: Arc::new(Waits {
+                per_key: parking_lot::Mutex::new(HashMap::new()),
+                max_per_key: limits.max_waiters_per_key,
+                max_per_token: limits.max_waiters_per_token,
+            }),
+        };
+        let body = BodyLimit {
+            bytes: limits.max_body_bytes,
+            read_timeout: limits.body_read_timeout,
+        };
+        let api = Api {
+            hot: Arc::new(hot::Hot::new(state.clone(), body)),
+            router: router(state, limits),
+        };
+        (api, watches)
+    }
+
+    /// Answers one request the gate let through.
+    pub async fn call(self, req: hyper::Request<hyper::body::Incoming>) -> Response {
+        match hot::route(req.method(), req.uri().path()) {
+            Some(route) => hot::catch_panic(self.hot.serve(route, req)).await,
+            None => match tower::ServiceExt::oneshot(self.router, req).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            },
+        }
+    }
 }
 
 /// Counts every request by route template, method and status, and times it.

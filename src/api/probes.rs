@@ -16,7 +16,7 @@ pub fn routes() -> Router<AppState> {
 }
 
 /// The process is up and serving HTTP.
-async fn healthz() -> Json<serde_json::Value> {
+pub(super) async fn healthz() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
 }
 

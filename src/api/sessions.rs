@@ -58,12 +58,12 @@ async fn open(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct HeartbeatRequest {
+pub(super) struct HeartbeatRequest {
     ttl_ms: Option<Whole>,
 }
 
 #[derive(Serialize)]
-struct HeartbeatResponse {
+pub(super) struct HeartbeatResponse {
     expires_at: u64,
     ttl_ms: u64,
     /// How long, from this answer, the server honours the session at least: the TTL less the
@@ -73,7 +73,7 @@ struct HeartbeatResponse {
     safe_for_ms: u64,
 }
 
-async fn heartbeat(
+pub(super) async fn heartbeat(
     State(app): State<AppState>,
     caller: Caller,
     SessionPath(id): SessionPath,

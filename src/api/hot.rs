@@ -1,0 +1,192 @@
+//! The hot routes (heartbeat, lock acquire and release, `/healthz`) served without the
+//! router: a match on method and path segments, the body read and decoded in place, the
+//! request counted on handles resolved once, and a panic answered as the router's panic
+//! layer answers it. The handlers are the router's own; only the way to them is shorter.
+//!
+//! Invariant: a request takes this way only when the match is certain to pick the route the
+//! router would (a plain segment: not empty, no `/`, no percent-escape to decode); anything
+//! else goes to the router. Both ways give the same statuses, bodies and metric series.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::task::Poll;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::http::{Method, Request};
+use axum::response::{IntoResponse, Response};
+use hyper::body::Incoming;
+use tower_http::catch_panic::{DefaultResponseForPanic, ResponseForPanic};
+
+use super::AppState;
+use super::extract::{BodyLimit, KeyPath, SessionPath, read_json};
+use super::gate::Caller;
+use crate::auth::Scope;
+use crate::domain::SessionId;
+use crate::metrics::RouteMeter;
+
+/// A hot route, with where its one path parameter lies in the path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Heartbeat(usize, usize),
+    Acquire(usize, usize),
+    Release(usize, usize),
+    Healthz,
+}
+
+/// The hot route of `method` and `path`, if the router would surely pick it.
+pub fn route(method: &Method, path: &str) -> Option<Route> {
+    if *method == Method::GET {
+        return (path == "/healthz").then_some(Route::Healthz);
+    }
+    if *method != Method::POST {
+        return None;
+    }
+    // One plain segment between `prefix` and `suffix`: its start and end in `path`.
+    let param = |prefix: &str, suffix: &str| -> Option<(usize, usize)> {
+        let rest = path.strip_prefix(prefix)?.strip_suffix(suffix)?;
+        let plain = !rest.is_empty() && !rest.bytes().any(|b| b == b'/' || b == b'%');
+        plain.then_some((prefix.len(), prefix.len() + rest.len()))
+    };
+    if let Some((a, b)) = param("/v1/sessions/", "/heartbeat") {
+        return Some(Route::Heartbeat(a, b));
+    }
+    if let Some((a, b)) = param("/v1/locks/", "/acquire") {
+        return Some(Route::Acquire(a, b));
+    }
+    if let Some((a, b)) = param("/v1/locks/", "/release") {
+        return Some(Route::Release(a, b));
+    }
+    None
+}
+
+/// The state of the hot routes: the router's, the body limit of their routes, and one
+/// meter per route.
+pub struct Hot {
+    app: AppState,
+    body: BodyLimit,
+    heartbeat: RouteMeter,
+    acquire: RouteMeter,
+    release: RouteMeter,
+    healthz: RouteMeter,
+}
+
+impl Hot {
+    pub fn new(app: AppState, body: BodyLimit) -> Hot {
+        let m = app.engine.metrics();
+        Hot {
+            heartbeat: m.route_meter("/v1/sessions/{id}/heartbeat", "POST"),
+            acquire: m.route_meter("/v1/locks/{key}/acquire", "POST"),
+            release: m.route_meter("/v1/locks/{key}/release", "POST"),
+            healthz: m.route_meter("/healthz", "GET"),
+            app,
+            body,
+        }
+    }
+
+    /// Answers a request `route` matched. The gate has let it through.
+    pub async fn serve(&self, route: Route, req: Request<Incoming>) -> Response {
+        let started = Instant::now();
+        let (mut parts, body) = req.into_parts();
+        // The gate puts a caller into every request it lets through with a token; none
+        // means no tokens are configured.
+        let caller = parts.extensions.remove::<Caller>().unwrap_or(Caller::Open);
+        let path = parts.uri.path();
+        let app = || State(self.app.clone());
+        // Extractors in the handlers' order: the path, then the body.
+        let (meter, response) = match route {
+            Route::Healthz => (
+                &self.healthz,
+                super::probes::healthz().await.into_response(),
+            ),
+            Route::Heartbeat(a, b) => {
+                let answer = async {
+                    let id = SessionId::parse("session_id", &path[a..b])?;
+                    let body = read_json(body, self.body).await?;
+                    super::sessions::heartbeat(app(), caller, SessionPath(id), body).await
+                };
+                (&self.heartbeat, answer.await.into_response())
+            }
+            Route::Acquire(a, b) => {
+                let answer = async {
+                    let key = KeyPath::parse("key", Scope::Key, &path[a..b], Some(&caller))?;
+                    let body = read_json(body, self.body).await?;
+                    super::locks::acquire(app(), caller, key, body).await
+                };
+                (&self.acquire, answer.await.into_response())
+            }
+            Route::Release(a, b) => {
+                let answer = async {
+                    let key = KeyPath::parse("key", Scope::Key, &path[a..b], Some(&caller))?;
+                    let body = read_json(body, self.body).await?;
+                    super::locks::release(app(), caller, key, body).await
+                };
+                (&self.release, answer.await.into_response())
+            }
+        };
+        let status = response.status().as_u16();
+        let elapsed = started.elapsed();
+        // The route template, never the path: a path can carry a session id, a capability.
+        tracing::debug!(
+            route = meter.route(),
+            method = meter.method(),
+            status,
+            elapsed_us = elapsed.as_micros() as u64,
+            "request"
+        );
+        meter.observe(status, elapsed);
+        response
+    }
+}
+
+/// `future`'s answer, or the answer the router's panic layer gives (500) if it panics, so a
+/// panicking handler costs its request, not the connection.
+pub async fn catch_panic(future: impl Future<Output = Response>) -> Response {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(move |cx| {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(poll) => poll,
+            Err(panic) => Poll::Ready(
+                DefaultResponseForPanic::default()
+                    .response_for_panic(panic)
+                    .map(axum::body::Body::new),
+            ),
+        }
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_plain_segments_take_the_hot_way() {
+        let post = Method::POST;
+        let hb = "/v1/sessions/abc/heartbeat";
+        assert_eq!(route(&post, hb), Some(Route::Heartbeat(13, 16)));
+        assert_eq!(
+            route(&post, "/v1/locks/k-1/acquire"),
+            Some(Route::Acquire(10, 13))
+        );
+        assert_eq!(
+            route(&post, "/v1/locks/k/release"),
+            Some(Route::Release(10, 11))
+        );
+        assert_eq!(route(&Method::GET, "/healthz"), Some(Route::Healthz));
+        for (m, p) in [
+            (&Method::GET, hb),
+            (&Method::HEAD, "/healthz"),
+            (&Method::POST, "/healthz"),
+            (&post, "/v1/sessions//heartbeat"),
+            (&post, "/v1/sessions/a/b/heartbeat"),
+            (&post, "/v1/sessions/abc/heartbeat/"),
+            (&post, "/v1/locks/a%2Fb/acquire"),
+            (&post, "/v1/locks/a/b/release"),
+            (&post, "/v1/locks/acquire"),
+            (&Method::GET, "/healthz/"),
+        ] {
+            assert_eq!(route(m, p), None, "{m} {p}");
+        }
+    }
+}
