@@ -104,7 +104,17 @@ impl App {
             None => None,
         };
         let tls = match (&config.tls_cert_file, &config.tls_key_file) {
-            (Some(cert), Some(key)) => match Tls::load(cert, key) {
+            (Some(cert), Some(key)) => match Tls::load(
+                cert,
+                key,
+                config
+                    .tls_client_ca
+                    .as_ref()
+                    .map(|path| crate::tls::ClientCa {
+                        path: path.clone(),
+                        required: config.tls_client_auth == crate::config::ClientAuth::Required,
+                    }),
+            ) {
                 Ok(t) => Some(Arc::new(t)),
                 Err(e) => {
                     engine.shutdown();

@@ -120,6 +120,12 @@ pub struct Config {
     pub tls_cert_file: Option<PathBuf>,
     /// PEM private key of the certificate.
     pub tls_key_file: Option<PathBuf>,
+    /// PEM certificates of the CAs whose client certificates the server verifies; a
+    /// verified certificate whose DNS name a token's `cert_subject` names acts as that
+    /// token. Read again on SIGHUP.
+    pub tls_client_ca: Option<PathBuf>,
+    /// Whether a client must present a certificate (`required`) or may (`optional`).
+    pub tls_client_auth: ClientAuth,
     /// How long a shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
     /// redb's page cache.
@@ -177,6 +183,8 @@ impl Default for Config {
             metrics_open: false,
             tls_cert_file: None,
             tls_key_file: None,
+            tls_client_ca: None,
+            tls_client_auth: ClientAuth::Optional,
             shutdown_grace_ms: 10_000,
             cache_size_bytes: 64 * 1024 * 1024,
             log_format: LogFormat::Text,
@@ -478,6 +486,16 @@ impl Config {
                 "tls_cert_file and tls_key_file go together: set both for HTTPS, or neither".into(),
             ));
         }
+        if self.tls_client_ca.is_some() && self.tls_cert_file.is_none() {
+            return Err(ConfigError::Invalid(
+                "tls_client_ca needs tls_cert_file and tls_key_file: client certificates are checked in the TLS handshake".into(),
+            ));
+        }
+        if self.tls_client_auth == ClientAuth::Required && self.tls_client_ca.is_none() {
+            return Err(ConfigError::Invalid(
+                "tls_client_auth = \"required\" needs tls_client_ca: the CAs client certificates are verified against".into(),
+            ));
+        }
         if self.tokens_file.is_none() && !self.listen.ip().is_loopback() {
             return Err(ConfigError::Invalid(format!(
                 "listen = {} is not a loopback address and no tokens_file is set: without API tokens anyone who can reach the port could end any session; create a token (leasehold tokens create) and set tokens_file, or listen on 127.0.0.1",
@@ -665,4 +683,15 @@ mod tests {
         let err = Config::load(Some(&path), toml::Table::new()).unwrap_err();
         assert!(err.to_string().contains("reaper_intervall_ms"), "{err}");
     }
+}
+
+/// Whether a TLS client must present a certificate signed by `tls_client_ca`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientAuth {
+    /// A client may present one; without one it authenticates with a bearer token.
+    #[default]
+    Optional,
+    /// The handshake fails without a verified client certificate.
+    Required,
 }

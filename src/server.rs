@@ -155,17 +155,25 @@ pub async fn run(
             match tls {
                 None => {
                     let io = Tracked::new(stream, origin, state.clone());
-                    serve(http, io, api, gate, watcher, state, origin, limits, peer).await
+                    serve(
+                        http, io, api, gate, watcher, state, origin, limits, peer, None,
+                    )
+                    .await
                 }
                 Some(tls) => {
                     // The handshake counts against the header read timeout: a client that
                     // opens a connection and says nothing is closed as before.
-                    let Some(stream) = tls.accept(stream, limits.header_read_timeout, peer).await
+                    let Some((stream, client)) =
+                        tls.accept(stream, limits.header_read_timeout, peer).await
                     else {
                         return;
                     };
                     let io = Tracked::new(stream, origin, state.clone());
-                    serve(http, io, api, gate, watcher, state, origin, limits, peer).await
+                    let client = client.map(Arc::new);
+                    serve(
+                        http, io, api, gate, watcher, state, origin, limits, peer, client,
+                    )
+                    .await
                 }
             }
         });
@@ -192,9 +200,14 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     origin: Instant,
     limits: ServerLimits,
     peer: std::net::SocketAddr,
+    client: Option<Arc<crate::tls::ClientCert>>,
 ) {
     let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
         let api = api.clone();
+        // The connection's verified client certificate, for the gate to map to a token.
+        if let Some(c) = &client {
+            req.extensions_mut().insert(c.clone());
+        }
         let admitted = gate.admit(&mut req);
         async move {
             let response = match admitted {

@@ -47,6 +47,7 @@ fn write_tokens(path: &Path, tokens: &[Tok]) -> Vec<(&'static str, String)> {
             keys: t.keys.clone(),
             pools: t.pools.clone(),
             queues: t.queues.clone(),
+            cert_subject: None,
             created_at: 0,
         });
         secrets.push((t.name, secret));

@@ -28,6 +28,9 @@ pub enum ApiError {
     BodyTimeout(std::time::Duration),
     /// No valid `Authorization: Bearer` token.
     Unauthorized,
+    /// A client certificate that cannot act as a caller here: it names two tokens, or a
+    /// token other than the bearer header's. The reason is for the message.
+    CertRefused(&'static str),
     /// The token's role or scopes do not allow the call; `field` names the parameter whose
     /// value is outside the scopes.
     Forbidden {
@@ -131,6 +134,9 @@ impl ApiError {
                 "this call needs a valid API token: Authorization: Bearer <token>".into(),
                 None,
             ),
+            ApiError::CertRefused(why) => {
+                (StatusCode::UNAUTHORIZED, "unauthorized", why.into(), None)
+            }
             ApiError::Forbidden { field, message } => (
                 StatusCode::FORBIDDEN,
                 "forbidden",

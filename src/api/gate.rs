@@ -8,8 +8,9 @@ use std::sync::Arc;
 use axum::http::{Method, Request, header};
 
 use super::error::ApiError;
-use crate::auth::{Auth, Role, Scope, Token};
+use crate::auth::{Auth, CertMatch, Role, Scope, Token};
 use crate::domain::SessionId;
+use crate::tls::ClientCert;
 
 /// Who is calling, put into the request for the handlers.
 #[derive(Clone)]
@@ -168,6 +169,38 @@ fn bearer<B>(req: &Request<B>) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
+/// The token a request acts as. A verified client certificate whose DNS name a token's
+/// `cert_subject` names stands for that token; a bearer header, when present, must be
+/// valid, and must be the same token as a mapped certificate's. A certificate no token
+/// names carries no identity: the bearer header alone decides.
+fn caller_token<B>(auth: &Auth, req: &Request<B>) -> Result<Arc<Token>, ApiError> {
+    let by_cert = match req.extensions().get::<Arc<ClientCert>>() {
+        Some(c) => match auth.lookup_cert(&c.names) {
+            CertMatch::None => None,
+            CertMatch::One(t) => Some(t),
+            CertMatch::Ambiguous => {
+                return Err(ApiError::CertRefused(
+                    "the client certificate's names map to more than one token",
+                ));
+            }
+        },
+        None => None,
+    };
+    match (bearer(req), by_cert) {
+        (Some(secret), cert) => {
+            let token = auth.lookup(secret).ok_or(ApiError::Unauthorized)?;
+            match cert {
+                Some(c) if c.hash != token.hash => Err(ApiError::CertRefused(
+                    "the bearer token and the client certificate stand for different tokens",
+                )),
+                _ => Ok(token),
+            }
+        }
+        (None, Some(token)) => Ok(token),
+        (None, None) => Err(ApiError::Unauthorized),
+    }
+}
+
 impl Gate {
     fn body_limit(&self, path: &str) -> usize {
         if path.starts_with("/v1/queues/") || path.starts_with("/v1/jobs/") {
@@ -194,9 +227,7 @@ impl Gate {
         let Some(role) = needs(req.method(), path, self.metrics_open) else {
             return Ok(());
         };
-        let token = bearer(req)
-            .and_then(|secret| auth.lookup(secret))
-            .ok_or(ApiError::Unauthorized)?;
+        let token = caller_token(auth, req)?;
         if token.role < role {
             return Err(ApiError::Forbidden {
                 field: None,

@@ -81,6 +81,11 @@ pub struct TokenEntry {
     /// Queue-name prefixes; absent means every queue.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queues: Option<Vec<String>>,
+    /// A DNS name in the subjectAltName of a client certificate (verified against
+    /// `tls_client_ca`) that acts as this token without a bearer header. Compared without
+    /// regard to case; no wildcards.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_subject: Option<String>,
     /// Unix milliseconds.
     #[serde(default)]
     pub created_at: u64,
@@ -203,7 +208,22 @@ impl TokensFile {
     pub fn validate(&self) -> Result<(), String> {
         let mut names = std::collections::HashSet::new();
         let mut hashes = std::collections::HashSet::new();
+        let mut subjects = std::collections::HashSet::new();
         for t in &self.token {
+            if let Some(subject) = &t.cert_subject {
+                if !valid_cert_subject(subject) {
+                    return Err(format!(
+                        "token {:?}: cert_subject {subject:?} must be a DNS name (labels of a-z, 0-9 and '-', joined by '.', at most 253 characters; no wildcard)",
+                        t.name
+                    ));
+                }
+                if !subjects.insert(subject.to_ascii_lowercase()) {
+                    return Err(format!(
+                        "token {:?}: cert_subject {subject:?} is another token's too",
+                        t.name
+                    ));
+                }
+            }
             if !valid_name(&t.name) {
                 return Err(format!(
                     "token name {:?} must be 1 to 64 characters of a-z, A-Z, 0-9, '-', '_' and '.'",
@@ -247,6 +267,21 @@ pub fn valid_name(name: &str) -> bool {
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// A DNS name as a certificate's subjectAltName carries it: 1 to 253 characters, labels
+/// of 1 to 63 letters, digits and inner hyphens. Wildcards are refused: one token stands
+/// for one named client.
+pub fn valid_cert_subject(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        })
 }
 
 /// Per-token request rate: a token bucket.
@@ -354,10 +389,12 @@ impl Token {
     }
 }
 
-/// The loaded tokens, by hash.
+/// The loaded tokens, by hash and by the certificate name they stand for.
 #[derive(Default)]
 pub struct TokenSet {
     by_hash: HashMap<Hash, Arc<Token>>,
+    /// Lowercased `cert_subject`s.
+    by_cert: HashMap<String, Arc<Token>>,
 }
 
 impl TokenSet {
@@ -371,6 +408,7 @@ impl TokenSet {
 
     fn build(file: &TokensFile, old: &TokenSet, burst: f64) -> TokenSet {
         let mut by_hash = HashMap::with_capacity(file.token.len());
+        let mut by_cert = HashMap::new();
         for e in &file.token {
             let hash = parse_hash(&e.hash).expect("validated");
             let (bucket, waiting) = match old.by_hash.get(&hash) {
@@ -383,22 +421,32 @@ impl TokenSet {
                     Arc::new(AtomicU32::new(0)),
                 ),
             };
-            by_hash.insert(
+            let token = Arc::new(Token {
+                name: e.name.clone(),
+                role: e.role,
+                keys: e.keys.clone(),
+                pools: e.pools.clone(),
+                queues: e.queues.clone(),
                 hash,
-                Arc::new(Token {
-                    name: e.name.clone(),
-                    role: e.role,
-                    keys: e.keys.clone(),
-                    pools: e.pools.clone(),
-                    queues: e.queues.clone(),
-                    hash,
-                    bucket,
-                    waiting,
-                }),
-            );
+                bucket,
+                waiting,
+            });
+            if let Some(subject) = &e.cert_subject {
+                by_cert.insert(subject.to_ascii_lowercase(), token.clone());
+            }
+            by_hash.insert(hash, token);
         }
-        TokenSet { by_hash }
+        TokenSet { by_hash, by_cert }
     }
+}
+
+/// What a client certificate's names map to.
+pub enum CertMatch {
+    /// No token names it: the certificate carries no identity.
+    None,
+    One(Arc<Token>),
+    /// Its names map to two different tokens: it names no one caller, and acts as none.
+    Ambiguous,
 }
 
 /// The tokens the server accepts, reloadable from their file.
@@ -445,6 +493,22 @@ impl Auth {
     pub fn lookup(&self, secret: &str) -> Option<Arc<Token>> {
         let h = hash(secret);
         self.set.read().by_hash.get(&h).cloned()
+    }
+
+    /// The token a verified client certificate with these (lowercased) DNS names stands
+    /// for.
+    pub fn lookup_cert(&self, names: &[String]) -> CertMatch {
+        let set = self.set.read();
+        let mut found: Option<&Arc<Token>> = None;
+        for n in names {
+            if let Some(t) = set.by_cert.get(n) {
+                match found {
+                    Some(f) if f.hash != t.hash => return CertMatch::Ambiguous,
+                    _ => found = Some(t),
+                }
+            }
+        }
+        found.map_or(CertMatch::None, |t| CertMatch::One(t.clone()))
     }
 }
 
@@ -553,6 +617,7 @@ mod tests {
             keys: None,
             pools: None,
             queues: None,
+            cert_subject: None,
             created_at: 0,
         };
         let ok = TokensFile {

@@ -429,6 +429,14 @@ pub struct ServeArgs {
     #[arg(long, env = "LEASEHOLD_TLS_KEY_FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     tls_key_file: Option<PathBuf>,
+    /// PEM CA certificates that client certificates are verified against [default: none]
+    #[arg(long, env = "LEASEHOLD_TLS_CLIENT_CA")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_client_ca: Option<PathBuf>,
+    /// Client certificates: optional or required [default: optional]
+    #[arg(long, env = "LEASEHOLD_TLS_CLIENT_AUTH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_client_auth: Option<crate::config::ClientAuth>,
     /// How long shutdown waits for in-flight requests, in ms [default: 10000]
     #[arg(long, env = "LEASEHOLD_SHUTDOWN_GRACE_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]

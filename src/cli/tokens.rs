@@ -28,6 +28,10 @@ pub enum TokensAction {
         /// Restrict the token to queues starting with this prefix (repeatable).
         #[arg(long = "queue-prefix")]
         queues: Vec<String>,
+        /// A DNS name in the subjectAltName of a client certificate (signed by the server's
+        /// tls_client_ca) that acts as this token without its secret.
+        #[arg(long)]
+        cert_subject: Option<String>,
     },
     /// List the tokens: names, roles and scopes (never secrets).
     List,
@@ -78,6 +82,7 @@ fn apply(file: &Path, action: TokensAction) -> Result<(), String> {
             keys,
             pools,
             queues,
+            cert_subject,
         } => {
             let mut tokens = TokensFile::read_or_empty(file).map_err(|e| e.to_string())?;
             if !auth::valid_name(&name) {
@@ -99,6 +104,7 @@ fn apply(file: &Path, action: TokensAction) -> Result<(), String> {
                 keys: scope(keys),
                 pools: scope(pools),
                 queues: scope(queues),
+                cert_subject,
                 created_at: std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_millis() as u64),
@@ -126,6 +132,7 @@ fn apply(file: &Path, action: TokensAction) -> Result<(), String> {
                         "keys": t.keys,
                         "pools": t.pools,
                         "queues": t.queues,
+                        "cert_subject": t.cert_subject,
                         "created_at": t.created_at,
                     })
                 })

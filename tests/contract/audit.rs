@@ -464,6 +464,7 @@ pub fn with_actor_tokens(c: &mut leasehold::config::Config) {
             keys: None,
             pools: None,
             queues: None,
+            cert_subject: None,
             created_at: 0,
         });
     }
