@@ -4,7 +4,8 @@
 # `leasehold` binary serving `--backend postgres` on a fresh namespace of the same database,
 # all driven by the same driver (`leasehold-compare`, as `run.sh` does). A fresh namespace per
 # run, so no run inherits the dead rows or the audit log of another (the raw tables are
-# recreated per run too). Prints one JSON line per run with "name" and "binary" fields.
+# recreated per run too). Prints one JSON line per run with "name", "binary" and "loadavg"
+# (1, 5 and 15 minutes, as the run ends) fields.
 #
 #   benches/compare/pg-ab.sh OLD_BINARY NEW_BINARY
 #
@@ -33,8 +34,12 @@ work="$(mktemp -d)"
 pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; psql "$pg_url" -qc "DROP SCHEMA IF EXISTS $ns CASCADE" >/dev/null 2>&1; rm -rf "$work"' EXIT
 
-(cd "$here" && cargo build --release --quiet)
-compare="$here/target/release/leasehold-compare"
+# CARGO_TARGET_DIR, when set (for example to the product's own target directory), is where the
+# driver is built: it compiles the product as a library, so sharing the product's build cache
+# saves a second copy of it.
+target="${CARGO_TARGET_DIR:-$here/target}"
+(cd "$here" && CARGO_TARGET_DIR="$target" cargo build --release --quiet)
+compare="$target/release/leasehold-compare"
 
 start() {
     psql "$pg_url" -qc "DROP SCHEMA IF EXISTS $ns CASCADE" >/dev/null 2>&1
@@ -56,7 +61,8 @@ stop() {
     pid=""
 }
 label() {
-    python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; r['binary']=sys.argv[2]; print(json.dumps(r))" "$1" "$2"
+    # The load average as the run ends: on a shared machine it says how far to trust a ratio.
+    python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; r['binary']=sys.argv[2]; r['loadavg']=open('/proc/loadavg').read().split()[:3]; print(json.dumps(r))" "$1" "$2"
 }
 args() {
     case "$1" in

@@ -46,9 +46,14 @@ e AS (
 )
 SELECT token FROM g";
 
-/// Releases key $1 if the live session $2 holds it with token $3, in one statement. The free
+/// One release in one statement: see `release` in the schema's fifth migration (`MIGRATION_RELEASE`). The free
 /// key is announced to other nodes after the commit (see `Postgres::announce`).
-pub(super) const RELEASE: &str = "
+const RELEASE: &str = "SELECT answer, revision FROM {ns}.release($1, $2, $3)";
+
+/// Releases key $1 if the live session $2 holds it with token $3, as one statement inside a
+/// caller's transaction (a release with a request id, whose answer is recorded in the same
+/// transaction); answers the revision, or no row when nothing was released.
+pub(super) const RELEASE_IN_TX: &str = "
 WITH me AS MATERIALIZED (
     SELECT id FROM {ns}.session WHERE id = $2 AND expires_at > {ns}.db_now() FOR KEY SHARE
 ),
@@ -293,24 +298,30 @@ impl Postgres {
         })
     }
 
+    /// One round trip when the key is released or the caller does not hold it; a caller
+    /// past its deadline holds nothing any more and is ended, durably, before the answer.
     pub async fn release(&self, id: SessionId, key: LockKey, token: Token) -> Result<u64> {
-        let rows = self
-            .query(RELEASE, &[&key.as_str(), &id.0, &(token.0 as i64)], false)
-            .await?;
-        match rows.first() {
-            Some(row) => {
+        let row = self
+            .query_opt(RELEASE, &[&key.as_str(), &id.0, &(token.0 as i64)], false)
+            .await?
+            .ok_or_else(|| BackendError::Unavailable("the release returned nothing".into()))?;
+        match row.get::<_, &str>(0) {
+            "released" => {
                 self.inner.metrics.locks_released.inc();
                 self.inner.metrics.locks_held.dec();
                 let freed = Resource::Lock(key);
                 self.announce(std::slice::from_ref(&freed), false);
                 self.waiting().wake(&freed);
-                Ok(row.get::<_, i64>(0) as u64)
+                Ok(row.get::<_, Option<i64>>(1).unwrap_or_default() as u64)
             }
-            None => {
-                // A caller past its deadline holds nothing any more: it is ended, durably.
-                self.live_or_end(id).await?;
+            "not_holder" | "gone" => Err(BackendError::NotHolder),
+            "expired" => {
+                self.end_if_expired(id).await?;
                 Err(BackendError::NotHolder)
             }
+            other => Err(BackendError::Unavailable(format!(
+                "the release answered {other:?}, which this build does not know"
+            ))),
         }
     }
 

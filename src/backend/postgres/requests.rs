@@ -9,7 +9,7 @@
 //! statement. Expiry is judged on the database clock, like sessions.
 
 use super::jobs::ENQUEUE;
-use super::locks::{RELEASE, Try};
+use super::locks::{RELEASE_IN_TX, Try};
 use super::{Fail, Postgres, transact};
 use crate::backend::requests::{Answer, Mutation, Request, RequestCheck};
 use crate::backend::waiting::{Resource, Step};
@@ -116,7 +116,11 @@ impl Postgres {
                         Claim::Replay(a) => (a, false),
                         Claim::Mine => {
                             let row = self
-                                .q_one(&tx, RELEASE, &[&key.as_str(), &id.0, &(token.0 as i64)])
+                                .q_one(
+                                    &tx,
+                                    RELEASE_IN_TX,
+                                    &[&key.as_str(), &id.0, &(token.0 as i64)],
+                                )
                                 .await?
                                 .ok_or(Fail::Answer(BackendError::NotHolder))?;
                             let revision = row.get::<_, i64>(0) as u64;

@@ -11,7 +11,7 @@ use tokio_postgres::GenericClient;
 use super::errors::PgError;
 
 /// The newest schema version this build knows.
-pub const VERSION: i32 = 4;
+pub const VERSION: i32 = 5;
 
 /// Migration `n` is `MIGRATIONS[n - 1]`. Only ever append: a released migration never
 /// changes, since nodes that applied it will not apply it again.
@@ -20,6 +20,7 @@ const MIGRATIONS: &[&str] = &[
     MIGRATION_2,
     MIGRATION_ACTOR,
     MIGRATION_REQUEST_IDS,
+    MIGRATION_RELEASE,
 ];
 
 /// Audit events name the API token of the operator or admin call that wrote them (never
@@ -312,6 +313,49 @@ BEGIN
     VALUES ('lock_acquired', sid, k, granted);
     answer := 'granted';
     revision := granted;
+END $$;
+"#;
+
+/// Version 5: the lock release as one call that also answers why nothing was released, and
+/// without a row lock on the releasing session. Self-contained: it only adds a function.
+const MIGRATION_RELEASE: &str = r#"
+-- Releases key `k` held by session `sid` with token `tok`, if the session is live on the
+-- database clock: the lock row goes, one revision is drawn and the lock_released event is
+-- written, in the one statement the node sends.
+--
+-- `answer` is one of: released (`revision` is the new revision), not_holder (the session is
+-- live and does not hold the key with that token), expired (the session is past its
+-- deadline: the node ends it with the one end statement, then answers not_holder, since a
+-- session past its deadline holds nothing), gone (no such session). Nothing is written
+-- unless it is released.
+--
+-- The session row is read, not locked: what serialises a release with an end of the same
+-- session (close, expiry, operator, a contender) is the lock row itself, which both delete
+-- (the end by its cascade). Whichever deletes it second waits for the first to commit and
+-- then finds nothing to delete. A row lock on the session served nothing more: an end's
+-- statement still reads the session's locks from the snapshot it began with, lock or not.
+-- It cost a WAL record and a write of the session's heap page on every release.
+CREATE FUNCTION {ns}.release(k text, sid uuid, tok bigint,
+                             OUT answer text, OUT revision bigint)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    live boolean;
+BEGIN
+    DELETE FROM {ns}.lock l
+    WHERE l.key = k AND l.session_id = sid AND l.token = tok
+      AND EXISTS (SELECT 1 FROM {ns}.session s
+                  WHERE s.id = sid AND s.expires_at > {ns}.db_now());
+    IF FOUND THEN
+        revision := nextval('{ns}.revision');
+        INSERT INTO {ns}.event (kind, session_id, key, token)
+        VALUES ('lock_released', sid, k, tok);
+        answer := 'released';
+        RETURN;
+    END IF;
+    SELECT s.expires_at > {ns}.db_now() INTO live FROM {ns}.session s WHERE s.id = sid;
+    answer := CASE WHEN live IS NULL THEN 'gone'
+                   WHEN live THEN 'not_holder'
+                   ELSE 'expired' END;
 END $$;
 "#;
 

@@ -6,7 +6,7 @@ use std::sync::LazyLock;
 use tokio_postgres::Row;
 use uuid::Uuid;
 
-use super::{After, PgError, Postgres, transact};
+use super::{After, PgError, Postgres};
 use crate::backend::waiting::Resource;
 use crate::backend::{BackendError, Beat, Closed, OpenedSession, Result, SessionInfo, SessionPage};
 use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
@@ -385,6 +385,30 @@ impl Postgres {
         Ok(ended)
     }
 
+    /// Runs an end statement on its own: one statement is one transaction, so a close
+    /// costs one round trip, not three (`BEGIN`, the statement, `COMMIT`). Then does what
+    /// the commit leaves to do. A deadlock or serialization failure (rolled back) is tried
+    /// again; a broken connection is not (the end may have committed).
+    pub(crate) async fn end_alone(
+        &self,
+        statement: &'static LazyLock<String>,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Ended> {
+        let sql: &'static str = statement.as_str();
+        let ended = self
+            .query(sql, params, false)
+            .await?
+            .first()
+            .map(Ended::from_row)
+            .unwrap_or_default();
+        let mut after = After::default();
+        if ended.sessions() > 0 {
+            after.ended(ended.clone());
+        }
+        self.committed(after);
+        Ok(ended)
+    }
+
     pub async fn open(
         &self,
         owner: String,
@@ -470,10 +494,7 @@ impl Postgres {
 
     /// Ends `id` if it is past its deadline.
     pub(crate) async fn end_if_expired(&self, id: SessionId) -> Result<()> {
-        let ended = transact!(self, |tx, after| {
-            self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
-                .await?
-        })?;
+        let ended = self.end_alone(&END_EXPIRED_ONE, &[&id.0]).await?;
         if ended.sessions() > 0 {
             tracing::info!(
                 session = %id.log_prefix(),
@@ -488,15 +509,9 @@ impl Postgres {
     }
 
     pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
-        let ended = transact!(self, |tx, after| {
-            self.end_in(
-                &tx,
-                &mut after,
-                &END_ONE,
-                &[&id.0, &reason.as_str(), &self.actor()],
-            )
-            .await?
-        })?;
+        let ended = self
+            .end_alone(&END_ONE, &[&id.0, &reason.as_str(), &self.actor()])
+            .await?;
         let closed = ended.closed();
         if let Some(c) = &closed {
             tracing::info!(

@@ -1146,6 +1146,152 @@ async fn a_namespace_at_version_1_migrates_and_keeps_its_data() {
     h.stop();
 }
 
+/// A namespace at schema version 2 (the release as a statement of the node's, with a row
+/// lock on the session) is brought to the current version by a node starting on it, and
+/// keeps its sessions, locks, tokens and audit log: the old holder releases its old grant
+/// through this version's release, the revision goes on from where it was, and every event
+/// is numbered once, in order.
+#[tokio::test]
+async fn a_namespace_at_version_2_migrates_and_keeps_its_data() {
+    let schema = Schema::new();
+    let mut c = connect().await;
+    assert_eq!(schema::migrate_to(&mut c, &schema.0, 2).await.unwrap(), 0);
+    assert_eq!(schema::current_version(&c, &schema.0).await.unwrap(), 2);
+    let ns = format!("\"{}\"", schema.0);
+    // What version 2 wrote: two sessions, each holding a lock granted by its acquire
+    // function, their events numbered.
+    c.batch_execute(&format!(
+        "INSERT INTO {ns}.session (id, owner, ttl_ms, expires_at)
+         VALUES ('00000000-0000-0000-0000-0000000000a1', 'old', 30000, {ns}.db_now() + interval '30 seconds'),
+                ('00000000-0000-0000-0000-0000000000a2', 'old', 30000, {ns}.db_now() + interval '30 seconds');
+         INSERT INTO {ns}.event (kind, session_id, owner)
+         VALUES ('session_opened', '00000000-0000-0000-0000-0000000000a1', 'old'),
+                ('session_opened', '00000000-0000-0000-0000-0000000000a2', 'old');
+         SELECT answer FROM {ns}.acquire(0, 'old-a', '00000000-0000-0000-0000-0000000000a1', true, 100);
+         SELECT answer FROM {ns}.acquire(0, 'old-b', '00000000-0000-0000-0000-0000000000a2', true, 100);
+         SELECT {ns}.number_events(0, true, 100);"
+    ))
+    .await
+    .unwrap();
+    let (a, b) = (
+        SessionId(uuid::Uuid::from_u128(0xa1)),
+        SessionId(uuid::Uuid::from_u128(0xa2)),
+    );
+
+    let clock = ManualClock::new(UnixMs(1_700_000_000_000));
+    let pg = Postgres::start(
+        config(),
+        settings(&schema.0),
+        Arc::new(clock.clone()),
+        Arc::new(Metrics::new()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        schema::current_version(&c, &schema.0).await.unwrap(),
+        schema::VERSION
+    );
+    let h = Harness {
+        pg,
+        clock,
+        admin: c,
+        schema,
+    };
+    h.assert_consistent().await;
+    let held_a = h.pg.lock(&key("old-a")).await.unwrap().unwrap();
+    let held_b = h.pg.lock(&key("old-b")).await.unwrap().unwrap();
+    assert_eq!(held_a.session_id, a);
+    assert_eq!(held_b.session_id, b);
+    assert_eq!(h.pg.revision().await.unwrap(), 2);
+
+    // The wrong token, or a session that does not hold the key, releases nothing.
+    assert!(matches!(
+        h.pg.release(a, key("old-a"), Token(held_a.token.0 + 7))
+            .await,
+        Err(BackendError::NotHolder)
+    ));
+    assert!(matches!(
+        h.pg.release(b, key("old-a"), held_a.token).await,
+        Err(BackendError::NotHolder)
+    ));
+    let revision = h.pg.release(a, key("old-a"), held_a.token).await.unwrap();
+    assert_eq!(revision, 3);
+    assert!(h.pg.lock(&key("old-a")).await.unwrap().is_none());
+    let again = h.pg.acquire(b, key("old-a"), 0).await.unwrap();
+    assert!(again.token.0 > revision);
+
+    let events = h.events().await;
+    let kinds: Vec<EventKind> = events.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            EventKind::SessionOpened,
+            EventKind::SessionOpened,
+            EventKind::LockAcquired,
+            EventKind::LockAcquired,
+            EventKind::LockReleased,
+            EventKind::LockAcquired,
+        ]
+    );
+    assert_eq!(events[4].key.as_deref(), Some("old-a"));
+    assert_eq!(events[4].token, Some(held_a.token));
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
+    h.assert_consistent().await;
+    h.stop();
+}
+
+/// A release's answers, each in the one statement: released (once: a second release of
+/// the same grant is refused), not the holder, no such session; and a caller past its
+/// deadline holds nothing any more, so it is refused and ended, durably, before the answer:
+/// its lock is free and its end is audited once, naming the lock.
+#[tokio::test]
+async fn a_release_answers_in_one_statement_and_ends_a_caller_past_its_deadline() {
+    let h = Harness::start().await;
+    let a = h.open(1_000).await;
+    let b = h.open(60_000).await;
+    let t = h.pg.acquire(a, key("r1"), 0).await.unwrap().token;
+    let rev = h.pg.release(a, key("r1"), t).await.unwrap();
+    assert!(rev > t.0);
+    assert!(matches!(
+        h.pg.release(a, key("r1"), t).await,
+        Err(BackendError::NotHolder)
+    ));
+    assert!(matches!(
+        h.pg.release(SessionId::random(), key("r1"), t).await,
+        Err(BackendError::NotHolder)
+    ));
+    let t2 = h.pg.acquire(a, key("r2"), 0).await.unwrap().token;
+    assert!(matches!(
+        h.pg.release(b, key("r2"), t2).await,
+        Err(BackendError::NotHolder)
+    ));
+    h.shift(1_500).await;
+    assert!(matches!(
+        h.pg.release(a, key("r2"), t2).await,
+        Err(BackendError::NotHolder)
+    ));
+    assert_eq!(h.count("session").await, 1);
+    assert!(h.pg.lock(&key("r2")).await.unwrap().is_none());
+    let events = h.events().await;
+    let released: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::LockReleased)
+        .collect();
+    assert_eq!(released.len(), 1);
+    assert_eq!(released[0].token, Some(t));
+    let expired: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::SessionExpired)
+        .collect();
+    assert_eq!(expired.len(), 1);
+    assert_eq!(expired[0].session_id, Some(a));
+    assert_eq!(expired[0].released.len(), 1);
+    assert_eq!(expired[0].released[0].token, t2);
+    h.assert_consistent().await;
+    h.stop();
+}
+
 /// A reaper pass numbers its own events as it writes them. Story this guards: events
 /// committed before the pass (opens, a release by a session the pass then ends) must come
 /// before the pass's in the log, and the pass must number them first, not leave a hole or
