@@ -251,7 +251,7 @@ mod tests {
         let opened: serde_json::Value = serde_json::from_str(&ra.await.unwrap().unwrap()).unwrap();
         assert_eq!(opened["revision"], 1, "{opened}");
         let refused = rb.await.unwrap().unwrap_err().to_string();
-        assert!(refused.contains("unknown operation"), "{refused}");
+        assert!(refused.contains("no_such_operation"), "{refused}");
         assert_eq!(rc.await.unwrap().unwrap(), r#"{"revision":1}"#);
         assert_eq!(rd.await.unwrap().unwrap(), r#"{"err":"exists"}"#);
         let _: () = ::redis::cmd("DEL")
