@@ -19,6 +19,7 @@
 # raw Redis scripts, 100 000 sessions in the mass expiry:
 #   TARGETS="leasehold_redis redis_always" WORKLOADS="lock-churn heartbeat" REPORT=0 \
 #       benches/compare/run.sh
+# BUILD=0 skips the two release builds and runs the binaries as they are.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -190,8 +191,11 @@ stop_target() {
 
 TARGETS="${TARGETS:-leasehold leasehold_pg leasehold_redis redis_always redis_default postgres etcd}"
 
-(cd "$root" && cargo build --release --quiet)
-(cd "$here" && cargo build --release --quiet)
+# BUILD=0 runs the binaries already built (the release server and the driver) as they are.
+if [ "${BUILD:-1}" = 1 ]; then
+    (cd "$root" && cargo build --release --quiet)
+    (cd "$here" && cargo build --release --quiet)
+fi
 # CARGO_TARGET_DIR (e.g. the product's own target/) builds the driver beside the product.
 compare="${CARGO_TARGET_DIR:-$here/target}/release/leasehold-compare"
 # Each run's line is appended at once, so what a run measured survives a later failure.
