@@ -1,5 +1,5 @@
-//! What only the Redis backend has: the seed's seat layout kept in step, the script reloaded
-//! after a script-cache flush, the durability check at start, and a crash-durable Redis
+//! What only the Redis backend has: the seed's seat layout kept in step, the functions loaded
+//! again after Redis forgets them, the durability check at start, and a crash-durable Redis
 //! killed with `kill -9` under concurrent grants and started again on its own directory.
 //!
 //! The layout and flush tests use the machine's Redis under a fresh namespace (see
@@ -95,19 +95,29 @@ async fn the_seat_layout_shows_a_taken_seat_and_nothing_after_release_or_reclaim
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn operations_survive_a_script_cache_flush() {
-    // Guards against a node that loads its script once and then fails every call with
-    // NOSCRIPT after Redis forgets it (SCRIPT FLUSH, a restart, a fail-over).
+async fn operations_survive_redis_forgetting_the_functions() {
+    // Guards against a node that loads its functions once and then fails every call with
+    // "Function not found" after Redis forgets them (FUNCTION FLUSH, a restart without
+    // persistence, a fail-over to a replica that never had them), and against one that
+    // still depends on the script cache (SCRIPT FLUSH).
     let s = TestServer::start_on(BackendKind::Redis, |_| {}).await;
     let a = s.open("alice", 60_000).await;
     let t1 = take(&s, "before", &a).await;
+    let mut conn = s.keys.as_ref().unwrap().conn.clone();
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
-        .query_async(&mut s.keys.as_ref().unwrap().conn.clone())
+        .query_async(&mut conn)
         .await
         .unwrap();
-    let t2 = take(&s, "after", &a).await;
+    let t2 = take(&s, "after-script-flush", &a).await;
     assert!(t2 > t1, "{t2} after {t1}");
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let t3 = take(&s, "after-function-flush", &a).await;
+    assert!(t3 > t2, "{t3} after {t2}");
     assert_eq!(s.release("before", &a, t1).await.status, 200);
     s.stop().await;
 }

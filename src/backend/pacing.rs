@@ -88,6 +88,17 @@ impl PassSizer {
         want.clamp(MIN_PASS.min(self.max), self.max)
     }
 
+    /// Learns from a pass that is the whole of its own cost — one call of its own to a shared
+    /// store, not a share of a batch's commit: `sessions` ended in `took`. Passes that ended
+    /// none say nothing about the cost per session.
+    pub fn observe(&mut self, sessions: usize, took: Duration) {
+        if sessions == 0 {
+            return;
+        }
+        let sample = took.as_nanos() as f64 / sessions as f64;
+        self.per_session_ns = Some(smooth(self.per_session_ns, sample));
+    }
+
     /// Learns from a batch whose commit took `took`, and the paced pass it carried, if any.
     /// A batch without a pass (or with one that ended no one) teaches what a commit costs
     /// anyway; one with a pass teaches what the pass added per session: its in-memory work
@@ -116,6 +127,16 @@ mod tests {
             domain,
             share,
         })
+    }
+
+    #[test]
+    fn a_pass_that_is_its_own_cost_is_sized_by_it_alone() {
+        let mut s = PassSizer::new(Duration::from_millis(2), 10_000);
+        s.observe(0, Duration::from_secs(1));
+        assert_eq!(s.next(), MIN_PASS * 4, "a pass that ended no one teaches nothing");
+        // 256 sessions held the store for 1 ms: 3.9 µs each, so 2 ms fits 512.
+        s.observe(256, Duration::from_millis(1));
+        assert_eq!(s.next(), 512);
     }
 
     #[test]

@@ -1,6 +1,10 @@
--- Leasehold's rules over Redis: one script, loaded once by SHA, that carries every
--- operation. Each call runs one operation (ARGV[2]) whole, atomically: Redis runs a script
--- to its end before any other command, so nothing here needs a lock.
+-- Leasehold's rules over Redis: one library of Redis Functions, loaded once with
+-- `FUNCTION LOAD` and called with `FCALL`, that carries every operation. The node prepends
+-- the `#!lua name=...` line and `local FUNCTION = '...'`, both naming this text's version, so
+-- nodes of different versions never call each other's code. Each call runs one operation
+-- (ARGV[2]) whole, atomically: Redis runs a function to its end before any other command,
+-- so nothing here needs a lock. Loading runs this chunk once; a call runs only `dispatch`
+-- and the operation it names, never the definitions below again.
 --
 -- ARGV[1] is the namespace; every key starts with it and a colon. Keys that carry a name a
 -- client chose (a pool, a queue) end in a fixed suffix of their kind, so no two names can
@@ -23,40 +27,46 @@
 -- * What frees a key, a seat or a job is published on `{ns}:!free` (`lock:K`, `pool:P`,
 --   `queue:Q`, or `*` for more than can be listed), so other nodes wake their waiters.
 
-local ns = ARGV[1]
-local op = ARGV[2]
+-- The call being run: its arguments, its namespace's key names, its time. Set by `dispatch`
+-- at the start of every call (Redis runs one call at a time, so they are never shared).
+local ARGV, NOW
+local ns, P
+local K_REV, K_CLOCK, K_EVSEQ, K_EVENTS, K_SESSIONS, K_DEADLINES, K_LOCKS, K_LOCKIDX
+local K_POOLS, K_QUEUES, K_FINISHED, K_JOB_HEAD, K_JOB_TAIL, K_REAPER, CHANNEL
 -- >>> actor: an operator's or admin's call passes `op name`, the name of its API token
 -- (never the secret; names have no spaces). `event` writes it as `actor` into the events of
--- the kinds in ACTOR_KINDS (those of EventKind::names_actor), and into no other.
+-- the kinds in ACTOR_KINDS (those of EventKind::names_actor), and into no other. `run` sets
+-- it for each operation.
 local ACTOR = nil
-do
-    local o, a = string.match(op, '^(%S+) (%S+)$')
-    if o then op, ACTOR = o, a end
-end
 local ACTOR_KINDS = {
     session_ended_by_admin = true, session_expired = true, seat_reclaimed = true,
     job_recovered = true, job_failed = true, pool_put = true, pool_deleted = true,
     job_requeued = true, token_floor_raised = true,
 }
 -- <<< actor
-local P = ns .. ':'
-
-local K_REV = P .. '!rev'
-local K_CLOCK = P .. '!clock'
-local K_EVSEQ = P .. '!evseq'
-local K_EVENTS = P .. '!events'
-local K_SESSIONS = P .. '!sessions'
-local K_DEADLINES = P .. '!deadlines'
-local K_LOCKS = P .. '!locks'
-local K_LOCKIDX = P .. '!lockidx'
-local K_POOLS = P .. '!pools'
-local K_QUEUES = P .. '!queues'
-local K_FINISHED = P .. '!finished'
-local K_JOB_HEAD = P .. '!job_head'
-local K_JOB_TAIL = P .. '!job_tail'
-local K_REAPER = P .. '!reaper'
-local CHANNEL = P .. '!free'
 local NOTIFY_EACH_MAX = 64
+
+-- Names the keys of namespace `name`; a call in the namespace of the one before reuses them.
+local function bind(name)
+    if name == ns then return end
+    ns = name
+    P = ns .. ':'
+    K_REV = P .. '!rev'
+    K_CLOCK = P .. '!clock'
+    K_EVSEQ = P .. '!evseq'
+    K_EVENTS = P .. '!events'
+    K_SESSIONS = P .. '!sessions'
+    K_DEADLINES = P .. '!deadlines'
+    K_LOCKS = P .. '!locks'
+    K_LOCKIDX = P .. '!lockidx'
+    K_POOLS = P .. '!pools'
+    K_QUEUES = P .. '!queues'
+    K_FINISHED = P .. '!finished'
+    K_JOB_HEAD = P .. '!job_head'
+    K_JOB_TAIL = P .. '!job_tail'
+    K_REAPER = P .. '!reaper'
+    CHANNEL = P .. '!free'
+end
 
 local function k_session(id) return P .. '!s:' .. id end
 local function k_job(id) return P .. '!j:' .. id end
@@ -73,24 +83,29 @@ local function now_ms()
     local t = redis.call('TIME')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local NOW = now_ms()
 
 local function draw() return redis.call('INCR', K_REV) end
 local function revision() return tonumber(redis.call('GET', K_REV) or '0') end
 
--- The event counter is read once per call and written back once at its end (`finish`),
--- so a reap of thousands of sessions does not `INCR` it thousands of times.
-local evseq = nil
+-- The event counter: the first event of a call takes its number with one `INCR`; the
+-- call's later events number on from it in memory and `finish` writes the last number back
+-- once, so a reap of thousands of sessions does not `INCR` it thousands of times.
+-- `dispatch` forgets both at the start of every call.
+local evseq, evdirty = nil, false
 local function event(e)
-    if not evseq then evseq = tonumber(redis.call('GET', K_EVSEQ) or '0') end
-    evseq = evseq + 1
+    if evseq then
+        evseq = evseq + 1
+        evdirty = true
+    else
+        evseq = redis.call('INCR', K_EVSEQ)
+    end
     e.seq = evseq
     e.at = NOW
     if ACTOR and ACTOR_KINDS[e.kind] then e.actor = ACTOR end -- actor (see above)
     redis.call('XADD', K_EVENTS, string.format('%d-1', evseq), 'e', cjson.encode(e))
 end
 local function finish()
-    if evseq then redis.call('SET', K_EVSEQ, string.format('%d', evseq)) end
+    if evdirty then redis.call('SET', K_EVSEQ, string.format('%d', evseq)) end
 end
 
 local function publish(list)
@@ -852,12 +867,19 @@ function OPS.reap()
         if holder and holder ~= node then return answer({ skipped = true }) end
         redis.call('SET', K_REAPER, node, 'PX', ttl)
     end
+    -- How long the pass held Redis, in µs of its real clock (never the pinned one), so the
+    -- node can size the next pass to its time budget.
+    local started = redis.call('TIME')
     local due = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW, 'LIMIT', 0, batch)
     local acc = new_acc()
-    if #due == 0 then return answer({ ended = ended(acc, 0) }) end
+    if #due == 0 then return answer({ ended = ended(acc, 0), us = 0 }) end
     local rev = draw()
     for _, id in ipairs(due) do end_one(id, 'expired', acc) end
-    return answer({ ended = ended(acc, rev) })
+    local out = ended(acc, rev)
+    local stopped = redis.call('TIME')
+    local us = (tonumber(stopped[1]) - tonumber(started[1])) * 1000000 +
+        tonumber(stopped[2]) - tonumber(started[2])
+    return answer({ ended = out, us = us })
 end
 
 -- next_due(): milliseconds until the earliest deadline (0 when one has passed), -1 with no
@@ -886,13 +908,24 @@ function OPS.retention()
         redis.call('DEL', k_job(jid))
         redis.call('ZREM', K_FINISHED, jid)
     end
-    local entries = redis.call('XRANGE', K_EVENTS, '-', '+', 'COUNT', ev_batch)
-    local trimmed = 0
-    for _, entry in ipairs(entries) do
-        local e = cjson.decode(entry[2][2])
-        if e.at >= NOW - ev_ms then break end
-        redis.call('XDEL', K_EVENTS, entry[1])
-        trimmed = trimmed + 1
+    -- Read in small pages and stop at the first event inside its retention: a pass over a
+    -- log with nothing to trim reads one event, not a whole batch.
+    local trimmed, from, young = 0, '-', false
+    while not young and trimmed < ev_batch do
+        local entries = redis.call('XRANGE', K_EVENTS, from, '+', 'COUNT',
+            math.min(256, ev_batch - trimmed))
+        if #entries == 0 then break end
+        local ids = {}
+        for _, entry in ipairs(entries) do
+            if cjson.decode(entry[2][2]).at >= NOW - ev_ms then
+                young = true
+                break
+            end
+            ids[#ids + 1] = entry[1]
+        end
+        if #ids > 0 then redis.call('XDEL', K_EVENTS, unpack(ids)) end
+        trimmed = trimmed + #ids
+        from = '(' .. entries[#entries][1]
     end
     return answer({ purged = #old, trimmed = trimmed })
 end
@@ -1048,47 +1081,90 @@ function OPS.check()
         revision = rev, jobs = jobs, problems = problems })
 end
 
--- Safe retries (see `crate::backend::requests`). An operation called `{op}!rid` carries
+---------------------------------------------------------------------------------------
+-- The one dispatch point: every operation runs through `run`.
+
+-- Runs one operation: `args` is [namespace, op, its arguments...]. An operation that fails
+-- fails alone: its error is its answer, and the event counter it moved is written back, so
+-- the next event's number is still above every one in the log.
+--
+-- Safe retries (see `crate::backend::requests`): an operation called `{op}!rid` carries
 -- four more arguments after its own: the request key, the call's fingerprint, the
 -- retention in ms, and the answer fields (comma-separated) whose presence means it acted.
--- The record `{ns}:!rid:{key}` is read and written in this same script, so the check, the
+-- The record `{ns}:!rid:{key}` is read and written in this same call, so the check, the
 -- change and the record are one atomic step; its expiry is judged on `NOW` and it is also
 -- given a PX so Redis drops it. Failures are not recorded: they changed nothing.
-local rid = nil
-local rid_op = string.match(op, '^(.-)!rid$')
-if rid_op then
-    local n = #ARGV
-    rid = { key = P .. '!rid:' .. ARGV[n - 3], fp = ARGV[n - 2], px = tonumber(ARGV[n - 1]),
-        ok = ARGV[n] }
-    op = rid_op
+local function run(args)
+    ARGV = args
+    evseq, evdirty = nil, false
+    local op = args[2]
+    -- >>> actor
+    ACTOR = nil
+    do
+        local o, a = string.match(op, '^(%S+) (%S+)$')
+        if o then op, ACTOR = o, a end
+    end
+    -- <<< actor
+    local rid = nil
+    local rid_op = string.match(op, '^(.-)!rid$')
+    if rid_op then
+        local n = #ARGV
+        rid = { key = P .. '!rid:' .. ARGV[n - 3], fp = ARGV[n - 2], px = tonumber(ARGV[n - 1]),
+            ok = ARGV[n] }
+        op = rid_op
+    end
+    local f = OPS[op]
+    if not f then return redis.error_reply('unknown operation ' .. tostring(op)) end
+    if rid then
+        local stored = redis.call('GET', rid.key)
+        if stored then
+            local rec = cjson.decode(stored)
+            if rec.at > NOW then
+                if rec.fp ~= rid.fp then return answer({ err = 'request_id_reused' }) end
+                return rec.out
+            end
+        end
+    end
+    local ok, out = pcall(f)
+    finish()
+    if not ok then
+        if type(out) == 'table' and out.err then return redis.error_reply(out.err) end
+        return redis.error_reply(tostring(out))
+    end
+    if rid then
+        local t = cjson.decode(out)
+        for field in string.gmatch(rid.ok, '[^,]+') do
+            if t[field] ~= nil then
+                -- What the first call ended on the way, and what it did, was counted then: a
+                -- replay says it is one, so it is not counted again.
+                t.ended = nil
+                t.replayed = true
+                redis.call('SET', rid.key, cjson.encode({ fp = rid.fp, at = NOW + rid.px,
+                    out = cjson.encode(t) }), 'PX', rid.px)
+                break
+            end
+        end
+    end
+    return out
 end
 
-local f = OPS[op]
-if not f then return redis.error_reply('unknown operation ' .. tostring(op)) end
-if rid then
-    local stored = redis.call('GET', rid.key)
-    if stored then
-        local rec = cjson.decode(stored)
-        if rec.at > NOW then
-            if rec.fp ~= rid.fp then return answer({ err = 'request_id_reused' }) end
-            return rec.out
-        end
+-- A call is one operation, `[namespace, op, args...]`, or a batch of them sent together by
+-- a node, `[namespace, '!batch', n, op, args..., n, op, args...]` (each `n` counting its op
+-- and arguments), answered by a list of their answers in order. Every operation of a call
+-- shares its clock reading.
+local function dispatch(_, args)
+    bind(args[1])
+    NOW = now_ms()
+    if args[2] ~= '!batch' then return run(args) end
+    local answers, i = {}, 3
+    while i <= #args do
+        local n = tonumber(args[i])
+        local one = { args[1] }
+        for j = 1, n do one[j + 1] = args[i + j] end
+        answers[#answers + 1] = run(one)
+        i = i + n + 1
     end
+    return answers
 end
-local out = f()
-finish()
-if rid then
-    local t = cjson.decode(out)
-    for field in string.gmatch(rid.ok, '[^,]+') do
-        if t[field] ~= nil then
-            -- What the first call ended on the way, and what it did, was counted then: a
-            -- replay says it is one, so it is not counted again.
-            t.ended = nil
-            t.replayed = true
-            redis.call('SET', rid.key, cjson.encode({ fp = rid.fp, at = NOW + rid.px,
-                out = cjson.encode(t) }), 'PX', rid.px)
-            break
-        end
-    end
-end
-return out
+
+redis.register_function(FUNCTION, dispatch)

@@ -1,7 +1,10 @@
 //! The Redis backend: several Leasehold nodes share one Redis, and Redis is the authority.
-//! Every operation is one call of one Lua script (`leasehold.lua`, called by SHA with
-//! `EVALSHA` and loaded again after a script-cache flush), so each is atomic; nothing about
-//! sessions, grants or jobs is kept in a node's memory except who waits here.
+//! Every operation is one call of one Lua function (`leasehold.lua`, a library of Redis
+//! Functions loaded with `FUNCTION LOAD` and called with `FCALL`, loaded again whenever Redis
+//! says it is missing), so each is atomic; nothing about
+//! sessions, grants or jobs is kept in a node's memory except who waits here. Requests that
+//! arrive while Redis is busy with this node's earlier ones go to it together, one `FCALL`
+//! for many operations, each still run whole and alone (`calls`).
 //!
 //! # Rules
 //!
@@ -27,11 +30,11 @@
 //! Standalone Redis (or one primary with replicas) only: the script reads keys it learns
 //! as it runs, which Redis Cluster does not allow.
 
+mod calls;
 mod durability;
 
 use crate::backend::requests::{Answer, Mutation, Request};
 use std::sync::Arc;
-use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -42,6 +45,7 @@ use serde::{Deserialize, Deserializer};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::backend::pacing::PassSizer;
 use crate::backend::waiting::{Resource, Step, Waiting};
 use crate::backend::{
     Backend, BackendError, Beat, CheckReport, Claimed, Closed, DueSession, EngineConfig, Fence,
@@ -61,11 +65,8 @@ use crate::domain::{
     SeatRecord, SessionId, SessionRecord, Token, UnixMs,
 };
 use crate::metrics::{EndCounts, Metrics, PoolLabel, QueueStateLabels, ReasonLabel};
+use calls::{Calls, LIBRARY};
 pub use durability::Durability;
-
-/// The script that carries every operation.
-static SCRIPT: LazyLock<::redis::Script> =
-    LazyLock::new(|| ::redis::Script::new(include_str!("leasehold.lua")));
 
 /// How often the head of a line asks again when no message came.
 const RECHECK: Duration = Duration::from_secs(1);
@@ -120,6 +121,8 @@ struct Inner {
     url: String,
     client: ::redis::Client,
     conn: ConnectionManager,
+    /// Every operation's way to Redis, over `conn`.
+    calls: Calls,
     /// Names this node as the holder of the reaper lock.
     node: String,
     waiting: Waiting,
@@ -437,6 +440,7 @@ impl Redis {
                 namespace: settings.namespace.clone(),
                 url,
                 client,
+                calls: Calls::start(conn.clone(), settings.namespace.clone()),
                 conn,
                 node: uuid::Uuid::new_v4().simple().to_string(),
                 waiting,
@@ -497,9 +501,8 @@ impl Redis {
                 found.describe()
             );
         }
-        SCRIPT
-            .prepare_invoke()
-            .load_async(&mut conn)
+        LIBRARY
+            .load(&mut conn)
             .await
             .map_err(|e| Bootstrap::Unreachable(e.to_string()))?;
         self.inner.checked.store(true, Ordering::SeqCst);
@@ -560,19 +563,13 @@ impl Redis {
                 self.inner.url
             )));
         }
-        let mut conn = self.inner.conn.clone();
-        let mut invocation = SCRIPT.prepare_invoke();
-        invocation.arg(&self.inner.namespace);
         // The operation, and after a space the acting token's name (token names have no
         // spaces): the script names it in the operator events it writes.
-        match &self.actor {
-            None => invocation.arg(op),
-            Some(actor) => invocation.arg(format!("{op} {actor}")),
+        let op = match &self.actor {
+            None => std::borrow::Cow::Borrowed(op),
+            Some(actor) => std::borrow::Cow::Owned(format!("{op} {actor}")),
         };
-        for a in &args {
-            invocation.arg(a);
-        }
-        let text: String = match invocation.invoke_async(&mut conn).await {
+        let text = match self.inner.calls.call(&op, args).await {
             Ok(t) => t,
             Err(e) => return Err(self.failed(e)),
         };
@@ -813,6 +810,13 @@ impl Redis {
         // takes over soon after this one dies.
         let lock_ms = (interval.as_millis() as u64 * 3).max(2_000);
         let batch = self.inner.config.reaper_batch.max(1);
+        // Each pass holds Redis (which serves every other call meanwhile) for about
+        // `reaper_pass_ms`, as measured by the script itself: a storm of expiries is ended
+        // in many short passes, one after another, not in a few that stall every client.
+        let mut sizer = PassSizer::new(
+            Duration::from_millis(self.inner.config.reaper_pass_ms.max(1)),
+            batch,
+        );
         let mut wait = interval;
         loop {
             tokio::select! {
@@ -825,8 +829,10 @@ impl Redis {
             }
             loop {
                 let started = Instant::now();
-                match self.pass(batch, Some(lock_ms)).await {
-                    Ok(Some(outcome)) => {
+                let size = sizer.next();
+                match self.pass(size, Some(lock_ms)).await {
+                    Ok(Some((outcome, held))) => {
+                        sizer.observe(outcome.sessions, held);
                         let m = &self.inner.metrics;
                         m.reaper_pass_seconds
                             .observe(started.elapsed().as_secs_f64());
@@ -838,7 +844,7 @@ impl Redis {
                                 "reaped expired sessions"
                             );
                         }
-                        if outcome.sessions < batch {
+                        if outcome.sessions < size {
                             break;
                         }
                     }
@@ -870,14 +876,20 @@ impl Redis {
         }
     }
 
-    /// One pass: ends up to `batch` due sessions. With `lock_ms`, only while this node holds
-    /// the reaper lock (`None` when another does).
-    async fn pass(&self, batch: usize, lock_ms: Option<u64>) -> Result<Option<ReapOutcome>> {
+    /// One pass: ends up to `batch` due sessions, and says how long it held Redis. With
+    /// `lock_ms`, only while this node holds the reaper lock (`None` when another does).
+    async fn pass(
+        &self,
+        batch: usize,
+        lock_ms: Option<u64>,
+    ) -> Result<Option<(ReapOutcome, Duration)>> {
         #[derive(Deserialize)]
         struct Pass {
             #[serde(default)]
             skipped: bool,
             ended: Option<Ended>,
+            #[serde(default)]
+            us: u64,
         }
         let p: Pass = self
             .call(
@@ -895,12 +907,13 @@ impl Redis {
         }
         let e = p.ended.unwrap_or_default();
         self.after(Some(&e), &[]);
-        Ok(Some(ReapOutcome {
+        let outcome = ReapOutcome {
             sessions: e.sessions(),
             locks: e.locks,
             seats: e.seats,
             jobs: e.recovered + e.failed.len(),
-        }))
+        };
+        Ok(Some((outcome, Duration::from_micros(p.us))))
     }
 
     async fn retention(&self) -> Result<()> {
@@ -993,10 +1006,8 @@ pub async fn check(url: &str, namespace: &str) -> std::result::Result<CheckRepor
     .await
     .map_err(|_| format!("{}: connecting timed out", redact(url)))?
     .map_err(|e| format!("{}: {e}", redact(url)))?;
-    let mut invocation = SCRIPT.prepare_invoke();
-    invocation.arg(namespace).arg("check");
-    let text: String = invocation
-        .invoke_async(&mut conn)
+    let text = LIBRARY
+        .call(&mut conn, namespace, "check", &[])
         .await
         .map_err(|e| format!("{}: {e}", redact(url)))?;
     report(&text).map_err(|e| format!("cannot read the check's answer: {e}"))
@@ -1757,7 +1768,7 @@ impl Backend for Redis {
         let mut total = ReapOutcome::default();
         loop {
             // Scripts run one at a time, so a pass needs no lock against another node's.
-            let pass = self.pass(batch, None).await?.unwrap_or_default();
+            let pass = self.pass(batch, None).await?.unwrap_or_default().0;
             total.sessions += pass.sessions;
             total.locks += pass.locks;
             total.seats += pass.seats;

@@ -1,0 +1,311 @@
+//! The node's path to Redis: the library of functions that carries every operation (loaded
+//! again whenever Redis lacks it), and the calls of concurrent requests sent together.
+//!
+//! Calls go through one task. While fewer than [`IN_FLIGHT`] calls to Redis are unanswered a
+//! request is sent at once, alone; when that many are, the requests that arrive meanwhile
+//! wait and go together as one `FCALL` of the batch operation (at most [`MAX_BATCH`]). So a
+//! lone request costs one round trip as before, and a busy node pays Redis's per-command
+//! cost (the parse, the function call, the reply, the append-only file's wrapping) once per
+//! batch rather than once per request. Each operation of a batch still runs whole and alone,
+//! in arrival order, and fails alone.
+
+use std::sync::Arc;
+use std::sync::LazyLock;
+
+use ::redis::aio::{ConnectionLike, ConnectionManager};
+use ::redis::{RedisError, Value};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+/// Calls to Redis unanswered at once: enough that Redis never waits for the node between
+/// two, few enough that requests queue behind them and go together.
+const IN_FLIGHT: usize = 4;
+/// The most operations one batch carries, so a batch holds Redis for a bounded time.
+const MAX_BATCH: usize = 256;
+
+/// The library of Redis Functions that carries every operation (`leasehold.lua`), named
+/// after a digest of its text: nodes of different versions sharing one Redis each load and
+/// call their own, never another's.
+pub struct Library {
+    /// The library's name, which is also its one function's.
+    pub name: String,
+    /// What `FUNCTION LOAD` is given: the name line, then the text.
+    code: String,
+}
+
+pub static LIBRARY: LazyLock<Library> = LazyLock::new(|| {
+    use sha2::Digest;
+    let text = include_str!("leasehold.lua");
+    let digest = sha2::Sha256::digest(text.as_bytes());
+    let version: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let name = format!("leasehold_{version}");
+    let code = format!("#!lua name={name}\nlocal FUNCTION = '{name}'\n{text}");
+    Library { name, code }
+});
+
+/// Redis ran nothing: it does not have the function (forgotten, or never loaded there).
+fn missing(e: &RedisError) -> bool {
+    e.to_string().contains("Function not found")
+}
+
+impl Library {
+    /// Loads the library (again: `REPLACE`, as another node of this version may have).
+    pub async fn load<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), RedisError> {
+        ::redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg("REPLACE")
+            .arg(&self.code)
+            .query_async::<String>(conn)
+            .await
+            .map(drop)
+    }
+
+    /// Sends `fcall`, loading the library first and sending it again when Redis says it
+    /// lacks it (`FUNCTION FLUSH`, a restart without persistence, a fail-over to a replica
+    /// that never had it): that answer means nothing ran.
+    async fn send<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        fcall: &::redis::Cmd,
+    ) -> Result<Value, RedisError> {
+        let first = conn.req_packed_command(fcall).await;
+        let lacking = match &first {
+            Err(e) => missing(e),
+            Ok(Value::ServerError(e)) => missing(&RedisError::from(e.clone())),
+            Ok(_) => false,
+        };
+        if !lacking {
+            return first;
+        }
+        self.load(conn).await?;
+        conn.req_packed_command(fcall).await
+    }
+
+    /// Runs `op` in `namespace` with `args`, alone, and returns its answer.
+    pub async fn call<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        namespace: &str,
+        op: &str,
+        args: &[String],
+    ) -> Result<String, RedisError> {
+        let mut fcall = ::redis::cmd("FCALL");
+        fcall
+            .arg(&self.name)
+            .arg(0)
+            .arg(namespace)
+            .arg(op)
+            .arg(args);
+        text(self.send(conn, &fcall).await?)
+    }
+}
+
+/// One operation's answer: the text the function returned, or the error it raised.
+fn text(v: Value) -> Result<String, RedisError> {
+    Ok(::redis::from_redis_value(v.extract_error()?)?)
+}
+
+struct Pending {
+    op: String,
+    args: Vec<String>,
+    reply: oneshot::Sender<Result<String, RedisError>>,
+}
+
+/// Sends operations to Redis, together when many are waiting. Cheap to clone; the task that
+/// sends ends when the last clone is dropped.
+#[derive(Clone)]
+pub struct Calls {
+    tx: mpsc::UnboundedSender<Pending>,
+}
+
+impl Calls {
+    pub fn start(conn: ConnectionManager, namespace: String) -> Calls {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(gather(rx, conn, Arc::from(namespace)));
+        Calls { tx }
+    }
+
+    /// Runs `op` with `args` and returns its answer. An error is Redis's or the
+    /// connection's; a request whose answer never came (the node stopping) is answered as a
+    /// dropped connection.
+    pub async fn call(&self, op: &str, args: Vec<String>) -> Result<String, RedisError> {
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            op: op.to_string(),
+            args,
+            reply,
+        };
+        let gone = || RedisError::from(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        self.tx.send(pending).map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+}
+
+/// The sending task: takes what waits, up to a batch, whenever a call to Redis may start.
+async fn gather(
+    mut rx: mpsc::UnboundedReceiver<Pending>,
+    conn: ConnectionManager,
+    namespace: Arc<str>,
+) {
+    let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
+    loop {
+        // Waiting for a free call first lets requests gather in the channel meanwhile.
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(first) = rx.recv().await else {
+            return;
+        };
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        let (mut conn, namespace) = (conn.clone(), namespace.clone());
+        tokio::spawn(async move {
+            send(&mut conn, &namespace, batch).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Sends one batch and hands each request its answer. A batch of one is a plain call; a
+/// larger one is the function's `!batch` operation: `[namespace, "!batch", n, op, args…, n,
+/// op, args…]`, each `n` counting the op and its arguments, answered by one answer (or one
+/// error) per operation, in order.
+async fn send(conn: &mut ConnectionManager, namespace: &str, mut batch: Vec<Pending>) {
+    if batch.len() == 1 {
+        let p = batch.pop().expect("one request");
+        let answer = LIBRARY.call(conn, namespace, &p.op, &p.args).await;
+        let _ = p.reply.send(answer);
+        return;
+    }
+    let mut fcall = ::redis::cmd("FCALL");
+    fcall.arg(&LIBRARY.name).arg(0).arg(namespace).arg("!batch");
+    for p in &batch {
+        fcall.arg(p.args.len() + 1).arg(&p.op).arg(&p.args);
+    }
+    let answers = match LIBRARY.send(conn, &fcall).await {
+        Ok(Value::Array(answers)) if answers.len() == batch.len() => answers,
+        Ok(other) => {
+            let e = RedisError::from((
+                ::redis::ErrorKind::UnexpectedReturnType,
+                "a batch answered with the wrong shape",
+                format!("{other:?}"),
+            ));
+            for p in batch {
+                let _ = p.reply.send(Err(e.clone()));
+            }
+            return;
+        }
+        Err(e) => {
+            for p in batch {
+                let _ = p.reply.send(Err(e.clone()));
+            }
+            return;
+        }
+    };
+    for (p, answer) in batch.into_iter().zip(answers) {
+        let _ = p.reply.send(text(answer));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The machine's Redis (as the integration tests use it), under a namespace of this test.
+    async fn redis() -> (ConnectionManager, String) {
+        let url = std::env::var("LEASEHOLD_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_string());
+        let client = ::redis::Client::open(url).unwrap();
+        let conn = ConnectionManager::new(client).await.unwrap();
+        let ns = format!("calls-test-{}", uuid::Uuid::new_v4().simple());
+        (conn, ns)
+    }
+
+    fn pending(
+        op: &str,
+        args: &[&str],
+    ) -> (Pending, oneshot::Receiver<Result<String, RedisError>>) {
+        let (reply, answer) = oneshot::channel();
+        let p = Pending {
+            op: op.to_string(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            reply,
+        };
+        (p, answer)
+    }
+
+    #[tokio::test]
+    async fn a_batch_answers_each_operation_in_order_and_fails_one_alone() {
+        // Guards against a batch whose answers land on the wrong requests, or whose one bad
+        // operation fails the others sent with it.
+        let (mut conn, ns) = redis().await;
+        let (a, ra) = pending("open", &["s1", "alice", "", "60000"]);
+        let (b, rb) = pending("no_such_operation", &[]);
+        let (c, rc) = pending("revision", &[]);
+        let (d, rd) = pending("open", &["s1", "alice", "", "60000"]);
+        send(&mut conn, &ns, vec![a, b, c, d]).await;
+        let opened: serde_json::Value = serde_json::from_str(&ra.await.unwrap().unwrap()).unwrap();
+        assert_eq!(opened["revision"], 1, "{opened}");
+        let refused = rb.await.unwrap().unwrap_err().to_string();
+        assert!(refused.contains("no_such_operation"), "{refused}");
+        assert_eq!(rc.await.unwrap().unwrap(), r#"{"revision":1}"#);
+        assert_eq!(rd.await.unwrap().unwrap(), r#"{"err":"exists"}"#);
+        let _: () = ::redis::cmd("DEL")
+            .arg(format!("{ns}:!rev"))
+            .arg(format!("{ns}:!evseq"))
+            .arg(format!("{ns}:!events"))
+            .arg(format!("{ns}:!s:s1"))
+            .arg(format!("{ns}:!deadlines"))
+            .arg(format!("{ns}:!sessions"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn concurrent_calls_all_get_their_own_answer() {
+        // Guards against requests lost or crossed while they wait to go together.
+        let (conn, ns) = redis().await;
+        let calls = Calls::start(conn.clone(), ns.clone());
+        let mut tasks = Vec::new();
+        for i in 0..300 {
+            let calls = calls.clone();
+            tasks.push(tokio::spawn(async move {
+                let id = format!("s{i}");
+                let text = calls
+                    .call(
+                        "open",
+                        vec![id.clone(), "o".into(), "".into(), "60000".into()],
+                    )
+                    .await
+                    .unwrap();
+                let again = calls.call("session", vec![id.clone()]).await.unwrap();
+                (id, text, again)
+            }));
+        }
+        let mut revisions = Vec::new();
+        for t in tasks {
+            let (id, text, again) = t.await.unwrap();
+            let opened: serde_json::Value = serde_json::from_str(&text).unwrap();
+            revisions.push(opened["revision"].as_u64().unwrap());
+            let seen: serde_json::Value = serde_json::from_str(&again).unwrap();
+            assert_eq!(seen["session"]["id"], id.as_str(), "{seen}");
+        }
+        revisions.sort();
+        assert_eq!(revisions, (1..=300).collect::<Vec<u64>>());
+        let mut keys: Vec<String> = (0..300).map(|i| format!("{ns}:!s:s{i}")).collect();
+        for k in ["!rev", "!evseq", "!events", "!deadlines", "!sessions"] {
+            keys.push(format!("{ns}:{k}"));
+        }
+        let mut conn = conn;
+        let _: () = ::redis::cmd("DEL")
+            .arg(&keys)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
