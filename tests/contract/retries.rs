@@ -302,6 +302,11 @@ pub async fn a_repeated_open_opens_one_session(s: &TestServer) {
         assert_eq!(r.body["session_id"], first.body["session_id"]);
     }
     assert_eq!(of_kind(&all_events(s).await, "session_opened").len(), 1);
+    // Each of the nine retries was answered from the record, and counted as a replay.
+    assert_eq!(
+        metric(s, "leasehold_request_id_replays_total").await,
+        Some(9.0)
+    );
     // The session is the real one: it heartbeats.
     let id = first.body["session_id"].as_str().unwrap();
     let beat = s

@@ -334,6 +334,7 @@ impl Writer {
         match self.requests.check(&r, at.wall) {
             RequestCheck::New => Some((Some(r), reply)),
             RequestCheck::Replay(a) => {
+                self.tally.replays += 1;
                 let result = answer(a).ok_or(BackendError::RequestIdReused);
                 pend(&mut self.pending, reply, result);
                 None

@@ -134,6 +134,8 @@ impl Postgres {
                         if acted {
                             self.inner.metrics.locks_released.inc();
                             self.inner.metrics.locks_held.dec();
+                        } else {
+                            self.inner.metrics.request_id_replays.inc();
                         }
                         Ok(a)
                     }
@@ -182,6 +184,8 @@ impl Postgres {
                 })?;
                 if acted {
                     self.gauge_queue(queue.as_str(), "queued", 1);
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
                 }
                 Ok(answer)
             }
@@ -222,6 +226,8 @@ impl Postgres {
                 if acted {
                     self.inner.metrics.sessions_opened.inc();
                     self.inner.metrics.sessions_active.inc();
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
                 }
                 Ok(answer)
             }
@@ -269,10 +275,14 @@ impl Postgres {
         })?;
         match attempt {
             Attempt::Decided(t) => self.step(t),
-            Attempt::Replay(Answer::Granted { token, revision }) => Ok(Step::Done(Granted {
-                token: Token(token),
-                revision,
-            })),
+            Attempt::Replay(Answer::Granted { token, revision }) => {
+                // Counted once committed (a retried transaction does not count twice).
+                self.inner.metrics.request_id_replays.inc();
+                Ok(Step::Done(Granted {
+                    token: Token(token),
+                    revision,
+                }))
+            }
             Attempt::Replay(_) => Err(BackendError::RequestIdReused),
         }
     }

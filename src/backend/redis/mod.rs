@@ -1571,6 +1571,8 @@ impl Backend for Redis {
                             self.inner.metrics.locks_released.inc();
                             self.inner.metrics.locks_held.dec();
                             self.after(None, &[Resource::Lock(key)]);
+                        } else {
+                            self.inner.metrics.request_id_replays.inc();
                         }
                         Ok(Answer::Released { revision })
                     }
@@ -1611,6 +1613,8 @@ impl Backend for Redis {
                 if !e.replayed {
                     self.gauge_queue(job.queue.as_str(), "queued", 1);
                     self.after(None, &[Resource::Queue(job.queue)]);
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
                 }
                 Ok(Answer::Enqueued {
                     job: JobId(id),
@@ -1662,6 +1666,8 @@ impl Backend for Redis {
                 if !o.replayed {
                     self.inner.metrics.sessions_opened.inc();
                     self.inner.metrics.sessions_active.inc();
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
                 }
                 Ok(Answer::Opened {
                     session: SessionId(session),
@@ -1931,6 +1937,8 @@ impl Redis {
             if !t.replayed {
                 self.inner.metrics.locks_acquired.inc();
                 self.inner.metrics.locks_held.inc();
+            } else {
+                self.inner.metrics.request_id_replays.inc();
             }
             Step::Done(Granted {
                 token: Token(token),
