@@ -125,6 +125,8 @@ pub struct Metrics {
     /// Set from the engine's readiness at each scrape.
     pub ready: Gauge,
     pub sessions_opened: Counter,
+    /// Calls with a `request_id` answered from the first call's record instead of acting.
+    pub request_id_replays: Counter,
     pub sessions_ended: Family<ReasonLabel, Counter>,
     pub locks_acquired: Counter,
     pub locks_released: Counter,
@@ -203,6 +205,7 @@ impl Metrics {
             store_failed: Gauge::default(),
             ready: Gauge::default(),
             sessions_opened: Counter::default(),
+            request_id_replays: Counter::default(),
             sessions_ended: Family::default(),
             locks_acquired: Counter::default(),
             locks_released: Counter::default(),
@@ -257,6 +260,11 @@ impl Metrics {
             "sessions_opened",
             "Sessions opened",
             m.sessions_opened.clone(),
+        );
+        registry.register(
+            "request_id_replays",
+            "Calls with a request_id answered with the first call's answer instead of acting again",
+            m.request_id_replays.clone(),
         );
         registry.register(
             "sessions_ended",

@@ -275,6 +275,57 @@ async fn pipe(
     }
 }
 
+/// Forwards TCP connections to `upstream`, but for the first `drops` connections throws the
+/// server's answer away and closes the connection once it comes: the call reached the server
+/// and acted, and the client never learns it.
+async fn answer_dropping_proxy(upstream: std::net::SocketAddr, drops: usize) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let none = Arc::new(AtomicU64::new(0));
+    tokio::spawn(async move {
+        let mut accepted = 0;
+        while let Ok((inbound, _)) = listener.accept().await {
+            let Ok(outbound) = TcpStream::connect(upstream).await else {
+                continue;
+            };
+            accepted += 1;
+            let (ri, wi) = inbound.into_split();
+            let (mut ro, wo) = outbound.into_split();
+            tokio::spawn(pipe(ri, wo, none.clone()));
+            if accepted <= drops {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    let _ = ro.read(&mut buf).await;
+                    // Dropping the write half (and with it the answer) closes the client's side.
+                    drop(wi);
+                });
+            } else {
+                tokio::spawn(pipe(ro, wi, none.clone()));
+            }
+        }
+    });
+    url
+}
+
+/// An open whose answer is lost is retried under its request_id: the client ends up with the
+/// session the first attempt opened, and no second session is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_whose_answer_is_lost_opens_one_session() {
+    let s = TestServer::start().await;
+    let proxied = answer_dropping_proxy(common::addr(&s), 1).await;
+    let session = Session::builder(Client::new(&proxied).unwrap(), "lossy-network")
+        .ttl(Duration::from_millis(60_000))
+        .open()
+        .await
+        .unwrap();
+    let events = common::all_events(&s).await;
+    let opened = common::of_kind(&events, "session_opened");
+    assert_eq!(opened.len(), 1, "{events:?}");
+    assert_eq!(opened[0]["session_id"], session.id());
+    // The session is the live one: a lock under it works.
+    drop(session.lock("after-a-lost-open").await.unwrap());
+}
+
 /// The failure this guards against: a client that counts its lease from when an answer
 /// *arrived* believes it holds the lock after the server has ended the session and given the
 /// lock to someone else. Here the network stalls; the client must give the session up while

@@ -9,8 +9,11 @@ use super::AppState;
 use super::error::ApiError;
 use super::extract::{Body, Query, SessionPath, Whole, metadata, page_limit, session_id, whole};
 use super::gate::Caller;
+use super::retry;
 use super::wire::{Session, ms};
-use crate::domain::EndReason;
+use crate::backend::requests::{Answer, Mutation};
+use crate::backend::{BackendError, OpenedSession};
+use crate::domain::{EndReason, UnixMs};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -25,6 +28,8 @@ struct OpenRequest {
     owner: String,
     ttl_ms: Option<Whole>,
     metadata: Option<serde_json::Value>,
+    /// Makes a retry safe: a retry answers the first session instead of opening another.
+    request_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -41,10 +46,43 @@ async fn open(
     Body(req): Body<OpenRequest>,
 ) -> Result<(StatusCode, Json<OpenResponse>), ApiError> {
     let metadata = metadata(req.metadata)?;
-    let opened = app
-        .engine
-        .open_as(caller.mint(), req.owner, whole(req.ttl_ms), metadata)
-        .await?;
+    let ttl_ms = whole(req.ttl_ms);
+    let request = retry::request(
+        &caller,
+        req.request_id,
+        "session_open",
+        "",
+        serde_json::json!({ "owner": req.owner, "ttl_ms": ttl_ms, "metadata": metadata }),
+    )?;
+    let opened = match request {
+        None => {
+            app.engine
+                .open_as(caller.mint(), req.owner, ttl_ms, metadata)
+                .await?
+        }
+        Some(request) => {
+            let op = Mutation::Open {
+                id: caller.mint(),
+                owner: req.owner,
+                ttl_ms,
+                metadata,
+            };
+            match app.engine.once(request, op).await? {
+                Answer::Opened {
+                    session,
+                    ttl_ms,
+                    expires_at,
+                    revision,
+                } => OpenedSession {
+                    id: session,
+                    ttl_ms,
+                    expires_at: UnixMs(expires_at),
+                    revision,
+                },
+                _ => return Err(BackendError::RequestIdReused.into()),
+            }
+        }
+    };
     Ok((
         StatusCode::CREATED,
         Json(OpenResponse {

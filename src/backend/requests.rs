@@ -52,6 +52,13 @@ pub enum Mutation {
         token: Token,
     },
     Enqueue(NewJob),
+    /// A session open: `id` is the one drawn for this call; a replay answers the first id.
+    Open {
+        id: SessionId,
+        owner: String,
+        ttl_ms: Option<u64>,
+        metadata: Option<String>,
+    },
 }
 
 /// A remembered first answer. Stored as JSON by every backend (`serde_json`), so the
@@ -59,9 +66,23 @@ pub enum Mutation {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "answer")]
 pub enum Answer {
-    Granted { token: u64, revision: u64 },
-    Released { revision: u64 },
-    Enqueued { job: JobId, revision: u64 },
+    Granted {
+        token: u64,
+        revision: u64,
+    },
+    Released {
+        revision: u64,
+    },
+    Enqueued {
+        job: JobId,
+        revision: u64,
+    },
+    Opened {
+        session: SessionId,
+        ttl_ms: u64,
+        expires_at: u64,
+        revision: u64,
+    },
 }
 
 impl Answer {

@@ -29,7 +29,9 @@
 //! already holds the grant returns the same token). A lock acquire or release carries a
 //! `request_id` that its retries repeat, so a retry whose first attempt worked but whose answer
 //! was lost gets that first answer: a late retry of an acquire never takes a lock released
-//! meanwhile, and a release's retry is not answered `not_holder`. A heartbeat is retried only until the
+//! meanwhile, and a release's retry is not answered `not_holder`. The open carries one too and
+//! is retried the same way: a retry answers the session the first attempt opened, and the local
+//! deadline counts from the first send. A heartbeat is retried only until the
 //! local deadline. `404 session_gone` is terminal and never retried. A claim, a complete and a
 //! fail are not retried: repeating one could act twice.
 //!

@@ -309,23 +309,26 @@ impl SessionBuilder {
     /// runtime).
     pub async fn open(self) -> Result<Session, Error> {
         let ttl_ms = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
-        let body = json!({"owner": self.owner, "ttl_ms": ttl_ms, "metadata": self.metadata});
+        let body = json!({
+            "owner": self.owner,
+            "ttl_ms": ttl_ms,
+            "metadata": self.metadata,
+            "request_id": request_id(),
+        });
         let mut attempt = 0;
-        // An open is not safe to repeat in general (a retry after a lost answer opens a second
-        // session, which then expires unused); only failures to connect, where nothing reached
-        // the server, are retried.
-        let (sent, reply) = loop {
-            let sent = Instant::now();
+        // Every attempt carries one request_id, so a retry after a lost answer gets the
+        // session the first attempt opened rather than a second one. That session's deadline
+        // was set when the first attempt arrived, so the local deadline counts from the first
+        // send: it may only be early, never late.
+        let sent = Instant::now();
+        let reply = loop {
             let result = self.client.post("/v1/sessions", &body).await;
             attempt += 1;
-            let refused = matches!(&result, Err(ClientError::Connect { .. }))
-                || matches!(&result, Ok(r) if r.status.as_u16() == 503
-                    && r.body["error"] != "backend_unavailable");
-            if refused && attempt < self.backoff.attempts {
+            if retryable(&result) && attempt < self.backoff.attempts {
                 tokio::time::sleep(self.backoff.delay(attempt - 1)).await;
                 continue;
             }
-            break (sent, result?);
+            break result?;
         };
         if reply.status.as_u16() != 201 {
             return Err(Error::from_reply(&reply));

@@ -208,6 +208,7 @@ contract! {
         concurrent_retries_with_one_request_id_act_once,
         retries_of_a_waiting_acquire_get_its_grant,
         a_request_id_survives_a_restart,
+        a_repeated_open_opens_one_session,
     }
     watch {
         a_watcher_sees_grace_then_the_expiry_with_each_lock_and_seat_lost with crate::watch::quick,

@@ -281,3 +281,68 @@ pub async fn retries_of_a_waiting_acquire_get_its_grant(s: &TestServer) {
     assert_eq!(holder(s, "k").await.body["session_id"], a.as_str());
     assert_eq!(of_kind(&all_events(s).await, "lock_acquired").len(), 2);
 }
+
+pub async fn a_repeated_open_opens_one_session(s: &TestServer) {
+    let body = json!({"owner": "w", "ttl_ms": 60_000, "metadata": {"host": "h1"},
+        "request_id": "open-1"});
+    let first = s.post("/v1/sessions", body.clone()).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    s.advance(10).await;
+    // The retry gets the first session, deadline and all, and opens none.
+    let again = s.post("/v1/sessions", body.clone()).await;
+    assert_eq!(again.status, 201, "{}", again.text);
+    assert_eq!(again.body, first.body);
+    // Concurrent retries race into one session too.
+    let tasks: Vec<_> = (0..8)
+        .map(|_| spawn_post(s, "/v1/sessions".into(), body.clone()))
+        .collect();
+    for t in tasks {
+        let r = answer(t).await;
+        assert_eq!(r.status, 201, "{}", r.text);
+        assert_eq!(r.body["session_id"], first.body["session_id"]);
+    }
+    assert_eq!(of_kind(&all_events(s).await, "session_opened").len(), 1);
+    // Each of the nine retries was answered from the record, and counted as a replay.
+    assert_eq!(
+        metric(s, "leasehold_request_id_replays_total").await,
+        Some(9.0)
+    );
+    // The session is the real one: it heartbeats.
+    let id = first.body["session_id"].as_str().unwrap();
+    let beat = s
+        .post(&format!("/v1/sessions/{id}/heartbeat"), json!({}))
+        .await;
+    assert_eq!(beat.status, 200, "{}", beat.text);
+
+    // Another owner, TTL or metadata under the id is another call.
+    for other in [
+        json!({"owner": "x", "ttl_ms": 60_000, "metadata": {"host": "h1"}, "request_id": "open-1"}),
+        json!({"owner": "w", "ttl_ms": 30_000, "metadata": {"host": "h1"}, "request_id": "open-1"}),
+        json!({"owner": "w", "ttl_ms": 60_000, "request_id": "open-1"}),
+    ] {
+        let r = s.post("/v1/sessions", other.clone()).await;
+        assert_eq!(r.status, 422, "{other}: {}", r.text);
+        assert_eq!(r.body["error"], "request_id_reused");
+    }
+    // A bad id is refused before anything opens; a refused open is not remembered.
+    let r = s
+        .post("/v1/sessions", json!({"owner": "w", "request_id": "a b"}))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(r.body["field"], "request_id");
+    let bad_ttl = json!({"owner": "w", "ttl_ms": 1, "request_id": "open-2"});
+    assert_eq!(s.post("/v1/sessions", bad_ttl).await.status, 400);
+    let fixed = s
+        .post(
+            "/v1/sessions",
+            json!({"owner": "w", "request_id": "open-2"}),
+        )
+        .await;
+    assert_eq!(fixed.status, 201, "{}", fixed.text);
+    assert_ne!(fixed.body["session_id"], first.body["session_id"]);
+    assert_eq!(of_kind(&all_events(s).await, "session_opened").len(), 2);
+    // Without a request_id every open opens.
+    s.open("w", 60_000).await;
+    s.open("w", 60_000).await;
+    assert_eq!(of_kind(&all_events(s).await, "session_opened").len(), 4);
+}

@@ -204,18 +204,22 @@ class Session:
         self._on_lost = on_lost
         self._stop = threading.Event()
         self._inflight = None
-        body = {"owner": owner, "ttl_ms": int(ttl * 1000)}
+        body = {"owner": owner, "ttl_ms": int(ttl * 1000), "request_id": _request_id()}
         if metadata is not None:
             body["metadata"] = metadata
-        # An open is retried only when nothing reached the server (a refused connection): a
-        # retry after a lost answer would open a second session.
+        # Every attempt carries one request_id, so a retry after a lost answer gets the
+        # session the first attempt opened, not a second one. Its deadline was set when the
+        # first attempt arrived, so the local deadline counts from the first send.
+        sent = time.monotonic()
         for attempt in range(self._backoff.attempts):
-            sent = time.monotonic()
             try:
                 status, answer = client.post("/v1/sessions", body)
-            except TransportError as e:
-                if not isinstance(e.__cause__, ConnectionRefusedError) or attempt + 1 == self._backoff.attempts:
+            except TransportError:
+                if attempt + 1 == self._backoff.attempts:
                     raise
+                time.sleep(self._backoff.delay(attempt))
+                continue
+            if _retryable(status) and attempt + 1 < self._backoff.attempts:
                 time.sleep(self._backoff.delay(attempt))
                 continue
             break

@@ -35,10 +35,27 @@ impl Writer {
                 owner,
                 ttl_ms,
                 metadata,
+                request,
                 reply,
             } => {
+                let Some((request, reply)) = self.replay(request, reply, at, |a| match a {
+                    Answer::Opened {
+                        session,
+                        ttl_ms,
+                        expires_at,
+                        revision,
+                    } => Some(OpenedSession {
+                        id: session,
+                        ttl_ms,
+                        expires_at: UnixMs(expires_at),
+                        revision,
+                    }),
+                    _ => None,
+                }) else {
+                    return;
+                };
                 let r = state
-                    .open(id, owner, ttl_ms, metadata, at, fx)
+                    .open(id, owner, ttl_ms, metadata, at, &mut self.fx)
                     .map(|o| {
                         self.tally.opened += 1;
                         OpenedSession {
@@ -49,7 +66,16 @@ impl Writer {
                         }
                     })
                     .map_err(BackendError::from);
-                pend(pending, reply, r);
+                if let Ok(o) = &r {
+                    let answer = Answer::Opened {
+                        session: o.id,
+                        ttl_ms: o.ttl_ms,
+                        expires_at: o.expires_at.0,
+                        revision: o.revision,
+                    };
+                    self.remember(request, &answer, at);
+                }
+                pend(&mut self.pending, reply, r);
             }
             Command::Heartbeat { id, ttl_ms, reply } => {
                 let r = match state.heartbeat(id, ttl_ms, at, fx) {
@@ -308,6 +334,7 @@ impl Writer {
         match self.requests.check(&r, at.wall) {
             RequestCheck::New => Some((Some(r), reply)),
             RequestCheck::Replay(a) => {
+                self.tally.replays += 1;
                 let result = answer(a).ok_or(BackendError::RequestIdReused);
                 pend(&mut self.pending, reply, result);
                 None

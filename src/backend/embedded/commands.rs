@@ -21,6 +21,7 @@ pub enum Command {
         owner: String,
         ttl_ms: Option<u64>,
         metadata: String,
+        request: Option<Request>,
         reply: Reply<OpenedSession>,
     },
     Heartbeat {

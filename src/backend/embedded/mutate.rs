@@ -37,6 +37,7 @@ impl Embedded {
             owner,
             ttl_ms,
             metadata: metadata.unwrap_or_default(),
+            request: None,
             reply,
         })
         .await
@@ -179,6 +180,29 @@ impl Embedded {
                     })
                     .await?;
                 Answer::Enqueued { job, revision }
+            }
+            Mutation::Open {
+                id,
+                owner,
+                ttl_ms,
+                metadata,
+            } => {
+                let o = self
+                    .call(|reply| Command::Open {
+                        id,
+                        owner,
+                        ttl_ms,
+                        metadata: metadata.unwrap_or_default(),
+                        request,
+                        reply,
+                    })
+                    .await?;
+                Answer::Opened {
+                    session: o.id,
+                    ttl_ms: o.ttl_ms,
+                    expires_at: o.expires_at.0,
+                    revision: o.revision,
+                }
             }
         })
     }

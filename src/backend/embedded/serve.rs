@@ -176,6 +176,7 @@ impl Writer {
             match want {
                 Want::Lock(reply, Some(r)) if r.key == request.key => {
                     let answer = if r.fingerprint == request.fingerprint {
+                        self.tally.replays += 1;
                         Ok(g)
                     } else {
                         Err(BackendError::RequestIdReused)

@@ -36,6 +36,8 @@ impl EndLine {
 #[derive(Default)]
 pub struct Tally {
     pub opened: u64,
+    /// Calls answered from a request id's record.
+    pub replays: u64,
     ended: [u64; 3],
     pub acquired: u64,
     pub released: u64,
@@ -110,6 +112,7 @@ impl Tally {
         m.sessions_active.set(state.session_count() as i64);
         m.locks_held.set(state.lock_count() as i64);
         m.sessions_opened.inc_by(self.opened);
+        m.request_id_replays.inc_by(self.replays);
         for (i, reason) in [EndReason::Closed, EndReason::Expired, EndReason::Admin]
             .into_iter()
             .enumerate()

@@ -10,6 +10,7 @@
 
 use super::jobs::ENQUEUE;
 use super::locks::{RELEASE_IN_TX, Try};
+use super::sessions::OPEN;
 use super::{Fail, Postgres, transact};
 use crate::backend::requests::{Answer, Mutation, Request, RequestCheck};
 use crate::backend::waiting::{Resource, Step};
@@ -137,6 +138,8 @@ impl Postgres {
                         if acted {
                             self.inner.metrics.locks_released.inc();
                             self.inner.metrics.locks_held.dec();
+                        } else {
+                            self.inner.metrics.request_id_replays.inc();
                         }
                         Ok(a)
                     }
@@ -185,6 +188,50 @@ impl Postgres {
                 })?;
                 if acted {
                     self.gauge_queue(queue.as_str(), "queued", 1);
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
+                }
+                Ok(answer)
+            }
+            Mutation::Open {
+                id,
+                owner,
+                ttl_ms,
+                metadata,
+            } => {
+                let limits = &self.config().limits;
+                limits.owner(&owner)?;
+                let ttl_ms = limits.ttl(ttl_ms)?;
+                let metadata = metadata.filter(|m| !m.is_empty());
+                if let Some(m) = &metadata {
+                    limits.metadata(m)?;
+                }
+                let (answer, acted) = transact!(self, |tx, _after| {
+                    match self.claim_request(&tx, &request).await? {
+                        Claim::Replay(a) => (a, false),
+                        Claim::Mine => {
+                            let row = self
+                                .q_one(&tx, OPEN, &[&id.0, &owner, &metadata, &(ttl_ms as i64)])
+                                .await?
+                                .ok_or(Fail::Answer(BackendError::Unavailable(
+                                    "the session insert returned nothing".into(),
+                                )))?;
+                            let a = Answer::Opened {
+                                session: id,
+                                ttl_ms,
+                                expires_at: row.get::<_, i64>(1) as u64,
+                                revision: row.get::<_, i64>(0) as u64,
+                            };
+                            self.answer_request(&tx, &request, &a).await?;
+                            (a, true)
+                        }
+                    }
+                })?;
+                if acted {
+                    self.inner.metrics.sessions_opened.inc();
+                    self.inner.metrics.sessions_active.inc();
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
                 }
                 Ok(answer)
             }
@@ -232,10 +279,14 @@ impl Postgres {
         })?;
         match attempt {
             Attempt::Decided(t) => self.step(t),
-            Attempt::Replay(Answer::Granted { token, revision }) => Ok(Step::Done(Granted {
-                token: Token(token),
-                revision,
-            })),
+            Attempt::Replay(Answer::Granted { token, revision }) => {
+                // Counted once committed (a retried transaction does not count twice).
+                self.inner.metrics.request_id_replays.inc();
+                Ok(Step::Done(Granted {
+                    token: Token(token),
+                    revision,
+                }))
+            }
             Attempt::Replay(_) => Err(BackendError::RequestIdReused),
         }
     }

@@ -283,7 +283,7 @@ impl Ended {
     }
 }
 
-const OPEN: &str = "
+pub(super) const OPEN: &str = "
 WITH r AS MATERIALIZED (SELECT nextval('{ns}.revision') AS revision),
 s AS (
     INSERT INTO {ns}.session (id, owner, metadata, ttl_ms, expires_at)

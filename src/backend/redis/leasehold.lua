@@ -329,7 +329,8 @@ function OPS.open()
     redis.call('ZADD', K_DEADLINES, x, id)
     redis.call('ZADD', K_SESSIONS, 0, id)
     event({ kind = 'session_opened', sid = id, owner = owner })
-    return answer({ revision = rev, expires_at = x })
+    -- The id is in the answer so that a replay (see `!rid` below) names the first session.
+    return answer({ revision = rev, expires_at = x, session = id })
 end
 
 -- heartbeat(id, ttl or ''): one conditional extension; a session past its deadline is

@@ -1582,6 +1582,8 @@ impl Backend for Redis {
                             self.inner.metrics.locks_released.inc();
                             self.inner.metrics.locks_held.dec();
                             self.after(None, &[Resource::Lock(key)]);
+                        } else {
+                            self.inner.metrics.request_id_replays.inc();
                         }
                         Ok(Answer::Released { revision })
                     }
@@ -1622,9 +1624,66 @@ impl Backend for Redis {
                 if !e.replayed {
                     self.gauge_queue(job.queue.as_str(), "queued", 1);
                     self.after(None, &[Resource::Queue(job.queue)]);
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
                 }
                 Ok(Answer::Enqueued {
                     job: JobId(id),
+                    revision,
+                })
+            }
+            Mutation::Open {
+                id,
+                owner,
+                ttl_ms,
+                metadata,
+            } => {
+                let limits = &self.inner.config.limits;
+                limits.owner(&owner)?;
+                let ttl_ms = limits.ttl(ttl_ms)?;
+                let metadata = metadata.filter(|m| !m.is_empty()).unwrap_or_default();
+                if !metadata.is_empty() {
+                    limits.metadata(&metadata)?;
+                }
+                #[derive(Deserialize)]
+                struct Opened {
+                    err: Option<String>,
+                    revision: Option<u64>,
+                    expires_at: Option<u64>,
+                    session: Option<String>,
+                    #[serde(default)]
+                    replayed: bool,
+                }
+                let (op, args) = self.with_request(
+                    "open",
+                    args![id.0, owner, metadata, ttl_ms],
+                    Some(&request),
+                    "revision",
+                );
+                let o: Opened = self.call(&op, args).await?;
+                match o.err.as_deref() {
+                    Some("request_id_reused") => return Err(BackendError::RequestIdReused),
+                    Some(e) => return Err(BackendError::Unavailable(format!("open answered {e}"))),
+                    None => {}
+                }
+                let (Some(revision), Some(expires_at), Some(session)) =
+                    (o.revision, o.expires_at, o.session)
+                else {
+                    return Err(BackendError::Unavailable("open answered nothing".into()));
+                };
+                let session = uuid::Uuid::parse_str(&session).map_err(|_| {
+                    BackendError::Unavailable(format!("open answered session id {session:?}"))
+                })?;
+                if !o.replayed {
+                    self.inner.metrics.sessions_opened.inc();
+                    self.inner.metrics.sessions_active.inc();
+                } else {
+                    self.inner.metrics.request_id_replays.inc();
+                }
+                Ok(Answer::Opened {
+                    session: SessionId(session),
+                    ttl_ms,
+                    expires_at,
                     revision,
                 })
             }
@@ -1889,6 +1948,8 @@ impl Redis {
             if !t.replayed {
                 self.inner.metrics.locks_acquired.inc();
                 self.inner.metrics.locks_held.inc();
+            } else {
+                self.inner.metrics.request_id_replays.inc();
             }
             Step::Done(Granted {
                 token: Token(token),
