@@ -9,9 +9,13 @@
 //!
 //! Each watch is a task that sends the snapshot, then re-reads its own session (one point
 //! read) every `watch_recheck_ms` to report `grace` and `active`, and ends the stream with the
-//! session's end. Ends made through this node's API prompt the tail at once; the tail's own
-//! re-check bounds how late any other end (the reaper, a contender, another node) is
-//! reported, so a lost prompt delays a watcher and never strands it.
+//! session's end. Ends made through this node's API prompt the tail at once, and so does the
+//! backend's signal of ends (`Backend::ends`: the reaper, an inline reap, and on the shared
+//! backends another node's commit). The tail's own re-check bounds how late an end is
+//! reported when a signal is lost, so a lost prompt delays a watcher and never strands it.
+//!
+//! While the backend cannot be read or is not ready, a watch says so once with an
+//! `unavailable` event, and sends the session's state again when a read succeeds.
 //!
 //! Invariant: a watch registers with the hub, and waits until the hub's cursor follows the
 //! log, before it reads its snapshot. Any end the snapshot does not show is therefore
@@ -261,6 +265,7 @@ fn shutting_down() -> ApiError {
 /// when the first of them arrived.
 async fn tail(hub: Arc<Watches>) {
     let mut closed = hub.closed.subscribe();
+    let ends = hub.engine.ends();
     let mut cursor = 0u64;
     loop {
         if *closed.borrow() {
@@ -319,6 +324,7 @@ async fn tail(hub: Arc<Watches>) {
         }
         tokio::select! {
             _ = hub.prompt.notified() => {}
+            _ = ends.notified() => {}
             _ = tokio::time::sleep(hub.limits.recheck) => {}
             _ = closed.changed() => return,
         }
@@ -437,6 +443,8 @@ async fn follow(
     }
     let mut closed = hub.closed.subscribe();
     let mut gone_for: Option<u32> = None;
+    // Set while the backend is unavailable, after the one `unavailable` event.
+    let mut down = false;
     loop {
         let recheck = tokio::time::sleep(hub.limits.recheck);
         tokio::select! {
@@ -465,13 +473,21 @@ async fn follow(
             hub.prompt();
             continue;
         }
-        match hub.engine.session(id).await {
+        let read = if hub.engine.ready() {
+            hub.engine.session(id).await
+        } else {
+            Err(crate::backend::BackendError::Unavailable(
+                "the backend is not ready".into(),
+            ))
+        };
+        match read {
             Ok(Some(info)) => {
                 let now = state_of(&info);
-                if now != state && !out.send(now, state_data(&info)).await {
+                if (now != state || down) && !out.send(now, state_data(&info)).await {
                     return;
                 }
                 state = now;
+                down = false;
             }
             Ok(None) => {
                 // Gone: its end is in the log, or it is past its deadline and not yet
@@ -483,8 +499,18 @@ async fn follow(
                 gone_for = Some(0);
                 hub.prompt();
             }
-            // A failed read says nothing about the session; the next re-check reads again.
-            Err(e) => tracing::debug!(error = %e, "watch: cannot read the session"),
+            // A failed read says nothing about the session's fate: the watcher learns that
+            // the server cannot tell, once, and the next re-check reads again.
+            Err(e) => {
+                tracing::debug!(error = %e, "watch: cannot read the session");
+                if !down {
+                    down = true;
+                    let data = json!({"session_id": id.to_string(), "error": e.to_string()});
+                    if !out.send("unavailable", data).await {
+                        return;
+                    }
+                }
+            }
         }
     }
 }

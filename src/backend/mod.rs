@@ -57,6 +57,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// Whether the node should receive traffic: false after a storage failure, while the
     /// shared database is unreachable, and from the start of a shutdown.
     fn ready(&self) -> bool;
+
+    /// A node-local signal that sessions ended: the backend calls `notify_one` after a
+    /// commit that ended sessions here (the reaper, an inline reap, an end through this
+    /// node) and, on the shared backends, when another node's commit is announced to this
+    /// one. It may fire with no end behind it, and a signal can be lost (a broken
+    /// subscription), so a consumer re-reads what it follows on its own schedule too. One
+    /// consumer per node (the watch hub): a stored permit wakes one waiter.
+    fn ends(&self) -> Arc<tokio::sync::Notify>;
     /// Starts a shutdown: readiness turns false, waiting requests are answered
     /// `shutting_down` at once, others are still served.
     fn begin_drain(&self);

@@ -72,6 +72,11 @@ impl Engine {
         each!(self, b => b.ready())
     }
 
+    /// The backend's signal that sessions ended (`Backend::ends`).
+    pub fn ends(&self) -> Arc<tokio::sync::Notify> {
+        each!(self, b => b.ends())
+    }
+
     pub fn begin_drain(&self) {
         each!(self, b => b.begin_drain())
     }

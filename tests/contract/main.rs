@@ -215,6 +215,13 @@ contract! {
         a_watcher_sees_an_operator_end with crate::watch::quick,
         a_watcher_sees_its_client_close with crate::watch::quick,
         watching_a_gone_session_is_404,
+        a_reaper_end_reaches_a_watcher_without_a_recheck with |c| {
+            // Re-checks never come within the test: only the backend's signal of ends can
+            // bring the end to the watcher in time.
+            c.watch_recheck_ms = 60_000;
+            c.reaper_enabled = true;
+            c.reaper_interval_ms = 50;
+        },
         a_shutdown_ends_every_watch_rather_than_waiting_on_it with |c| {
             crate::watch::quick(c);
             c.shutdown_grace_ms = 60_000;

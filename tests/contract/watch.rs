@@ -137,6 +137,20 @@ pub async fn a_watcher_sees_its_client_close(s: &TestServer) {
     }
 }
 
+/// The background reaper ends the session, not this node's API: the backend's signal of ends
+/// wakes the tail, since the suite's re-check is far longer than the read's bound.
+pub async fn a_reaper_end_reaches_a_watcher_without_a_recheck(s: &TestServer) {
+    let a = s.open("alice", 3_000).await;
+    let t = take(s, "k", &a).await;
+    let mut w = watch(s, &a).await;
+    assert_eq!(next(&mut w).await.event, "snapshot");
+    s.advance(60_000).await;
+    let end = rest(&mut w).await;
+    assert_eq!(names(&end), ["lock_lost", "expired"], "{end:?}");
+    assert_eq!(end[0].data, json!({"key": "k", "token": t}));
+    assert_eq!(end[1].data["session_id"], a.as_str());
+}
+
 pub async fn watching_a_gone_session_is_404(s: &TestServer) {
     let r = s.get(&format!("/v1/sessions/{}/watch", random_id())).await;
     assert_error(&r, 404, "session_gone");

@@ -28,6 +28,8 @@ from .client import (
     Session,
     SessionLost,
     TransportError,
+    Watch,
+    WatchEvent,
     work,
 )
 
@@ -40,5 +42,7 @@ __all__ = [
     "Session",
     "SessionLost",
     "TransportError",
+    "Watch",
+    "WatchEvent",
     "work",
 ]

@@ -25,6 +25,8 @@ __all__ = [
     "Session",
     "SessionLost",
     "TransportError",
+    "Watch",
+    "WatchEvent",
     "work",
 ]
 
@@ -126,6 +128,36 @@ class Client:
     def post(self, path, body=None):
         return self.request("POST", path, {} if body is None else body)
 
+    def watch(self, session_id, timeout=None):
+        """Opens ``GET /v1/sessions/{id}/watch``; returns a :class:`Watch` of its events.
+
+        ``timeout`` bounds each read of the stream (default none: the server's keep-alive
+        comments arrive every ``watch_keepalive_ms``). A refusal (``404 session_gone``,
+        ``429``/``503 too_many_watches``, ...) raises :class:`LeaseholdError`.
+        """
+        if self._scheme == "https":
+            conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        headers = {"accept": "text/event-stream"}
+        if self._token:
+            headers["authorization"] = f"Bearer {self._token}"
+        try:
+            conn.request("GET", f"{self._prefix}/v1/sessions/{segment(session_id)}/watch", headers=headers)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise TransportError(f"cannot reach {self.server}: {e}") from e
+        if resp.status != 200:
+            raw = resp.read()
+            conn.close()
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                body = None
+            raise _error(resp.status, body)
+        return Watch(conn, resp)
+
     def enqueue(self, queue, payload, idempotent=None, max_recoveries=None, kind=None, backoff=None):
         """Enqueues a job; returns the answer (``job_id``, ``queue``, ``revision``).
 
@@ -154,6 +186,93 @@ class Client:
                 raise _error(status, answer)
             return answer
         raise AssertionError("unreachable")
+
+
+class WatchEvent:
+    """One event of a watch: ``event`` (its name), ``id`` (its number in the stream, from 1,
+    or None) and ``data`` (the decoded JSON)."""
+
+    #: Events after which the server ends the stream.
+    FINAL = frozenset({"expired", "ended_by_admin", "closed", "gone", "shutting_down"})
+    #: Events that say the session is gone.
+    LOSS = frozenset({"expired", "ended_by_admin", "closed", "gone"})
+
+    def __init__(self, event, id, data):
+        self.event = event
+        self.id = id
+        self.data = data
+
+    @property
+    def is_final(self):
+        return self.event in self.FINAL
+
+    @property
+    def is_loss(self):
+        return self.event in self.LOSS
+
+    def __repr__(self):
+        return f"WatchEvent({self.event!r}, {self.id!r}, {self.data!r})"
+
+
+class Watch:
+    """An open watch: iterate it for :class:`WatchEvent` in order; iteration stops after the
+    final event or when the stream ends. Keep-alive comments are skipped. ``close`` (or
+    ``with``) drops the connection."""
+
+    def __init__(self, conn, resp):
+        self._conn = conn
+        self._resp = resp
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        event, ident, data = "message", None, []
+        while True:
+            try:
+                line = self._resp.readline()
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                raise TransportError(f"the watch broke: {e}") from e
+            if not line:
+                self.close()
+                raise StopIteration
+            line = line.decode("utf-8", "replace").rstrip("\r\n")
+            if line == "":
+                if not data:
+                    event, ident = "message", None
+                    continue
+                try:
+                    decoded = json.loads("\n".join(data))
+                except ValueError:
+                    decoded = "\n".join(data)
+                e = WatchEvent(event, ident, decoded)
+                if e.is_final:
+                    self._done = True
+                return e
+            if line.startswith(":"):
+                continue
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "event":
+                event = value
+            elif field == "data":
+                data.append(value)
+            elif field == "id":
+                ident = int(value) if value.isdigit() else None
+
+    def close(self):
+        self._done = True
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _request_id():
@@ -400,6 +519,10 @@ class Session:
         if status != 200:
             raise _error(status, answer)
         return Job(self, answer)
+
+    def watch(self, timeout=None):
+        """The server's watch of this session (:meth:`Client.watch`)."""
+        return self.client.watch(self.id, timeout=timeout)
 
     def close(self):
         """Stops heartbeating and closes the session, which releases everything it holds."""

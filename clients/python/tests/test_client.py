@@ -153,6 +153,25 @@ class Loss(unittest.TestCase):
             proxy.close()
 
 
+class Watches(unittest.TestCase):
+    def test_a_watch_reports_the_snapshot_then_each_lock_lost_and_the_end(self):
+        key = unique("watched")
+        s = leasehold.Session(leasehold.Client(SERVER), "py-watch", ttl=10)
+        lock = s.lock(key)
+        with s.watch(timeout=PATIENCE) as w:
+            snap = next(w)
+            self.assertEqual(snap.event, "snapshot")
+            self.assertEqual(snap.id, 1)
+            self.assertEqual(snap.data["session_id"], s.id)
+            self.assertEqual(snap.data["state"], "active")
+            s.close()
+            rest = list(w)
+        self.assertEqual([e.event for e in rest], ["lock_lost", "closed"], rest)
+        self.assertEqual(rest[0].data, {"key": key, "token": lock.token})
+        self.assertTrue(rest[1].is_final and rest[1].is_loss)
+        self.assertEqual(rest[1].data["released"], 1)
+
+
 class Retries(unittest.TestCase):
     def test_503s_are_retried_session_gone_is_not_and_the_token_is_sent(self):
         overloaded = (503, {"error": "overloaded", "message": "busy"})

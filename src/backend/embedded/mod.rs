@@ -100,6 +100,7 @@ impl Embedded {
             store,
             clock,
             metrics,
+            ends: Arc::new(tokio::sync::Notify::new()),
         });
         let writer = writer::spawn(shared.clone(), rx, requests)?;
         let reaper = if shared.config.reaper_enabled {
@@ -206,6 +207,10 @@ impl Backend for Embedded {
 
     fn ready(&self) -> bool {
         Embedded::ready(self)
+    }
+
+    fn ends(&self) -> Arc<tokio::sync::Notify> {
+        self.shared.ends.clone()
     }
 
     fn begin_drain(&self) {

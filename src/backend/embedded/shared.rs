@@ -22,4 +22,6 @@ pub(crate) struct Shared {
     pub store: Store,
     pub clock: Arc<dyn Clock>,
     pub metrics: Arc<Metrics>,
+    /// Fired after a commit that ended sessions (`Backend::ends`).
+    pub ends: Arc<tokio::sync::Notify>,
 }

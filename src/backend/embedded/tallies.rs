@@ -50,6 +50,8 @@ pub struct Tally {
     touched_queues: BTreeSet<QueueName>,
     /// One per session ended in the batch; logged after the replies, off the state lock.
     pub ends: Vec<EndLine>,
+    /// True once any session ended in the batch (whatever the log level).
+    pub any_end: bool,
 }
 
 impl Tally {
@@ -61,6 +63,7 @@ impl Tally {
             EndReason::Admin => 2,
         };
         self.ended[i] += 1;
+        self.any_end = true;
         // Lines that the log level would drop are not collected: a storm's hundred thousand
         // ends would otherwise be kept only to be thrown away.
         if tracing::enabled!(tracing::Level::INFO) {

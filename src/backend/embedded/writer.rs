@@ -200,9 +200,11 @@ impl Writer {
         self.paced = None;
         // A failed batch ended nobody durably: its lines are dropped with its tally.
         let mut ends = Vec::new();
+        let mut ended = false;
         if !failed {
             let mut tally = std::mem::take(&mut self.tally);
             ends = std::mem::take(&mut tally.ends);
+            ended = tally.any_end;
             tally.publish(&shared.metrics, &shared.state.lock());
         }
         for p in self.pending.drain(..) {
@@ -211,6 +213,10 @@ impl Writer {
         // After the replies, so that writing the log never delays an answer.
         for line in &ends {
             line.log();
+        }
+        // After the commit, so that whoever wakes reads the ends in the log.
+        if ended {
+            shared.ends.notify_one();
         }
         if failed {
             let drained = shared.waiters.lock().drain();

@@ -166,6 +166,9 @@ pub(crate) struct Inner {
     /// Notifications committed here and not yet sent, and the signal that some wait.
     outbox: Mutex<Outbox>,
     outbox_ready: tokio::sync::Notify,
+    /// `Backend::ends`: fired after this node's reaper ended sessions and on every
+    /// notification received (another node's commit may have ended sessions).
+    ends: Arc<tokio::sync::Notify>,
 }
 
 /// What this node freed since notifications were last sent: names, or everything.
@@ -328,6 +331,7 @@ impl Postgres {
                 gauges_stale: AtomicBool::new(false),
                 outbox: Mutex::new(Outbox::default()),
                 outbox_ready: tokio::sync::Notify::new(),
+                ends: Arc::new(tokio::sync::Notify::new()),
             }),
             actor: None,
         };
@@ -819,6 +823,10 @@ impl Backend for Postgres {
 
     fn ready(&self) -> bool {
         Postgres::ready(self)
+    }
+
+    fn ends(&self) -> Arc<tokio::sync::Notify> {
+        self.inner.ends.clone()
     }
 
     fn begin_drain(&self) {

@@ -46,14 +46,20 @@ pub(super) async fn listen(pg: Postgres) {
                                 }
                             }
                         }
-                        payload = rx.recv() => match payload {
-                            Some(p) if p == "*" => pg.waiting().wake_all(),
-                            Some(p) => match Resource::from_payload(&p) {
-                                Some(r) => pg.waiting().wake(&r),
-                                None => pg.waiting().wake_all(),
-                            },
-                            None => break,
-                        },
+                        payload = rx.recv() => {
+                            let Some(p) = payload else { break };
+                            // A commit freed something, perhaps by ending a session: the
+                            // watches read the log.
+                            pg.inner.ends.notify_one();
+                            if p == "*" {
+                                pg.waiting().wake_all();
+                            } else {
+                                match Resource::from_payload(&p) {
+                                    Some(r) => pg.waiting().wake(&r),
+                                    None => pg.waiting().wake_all(),
+                                }
+                            }
+                        }
                         _ = stop.changed() => return,
                     }
                 }

@@ -144,6 +144,10 @@ impl Postgres {
                 None
             }
         })?;
+        // After the commit: the watches read these ends in the log.
+        if ended.as_ref().is_some_and(|e| e.sessions() > 0) {
+            self.inner.ends.notify_one();
+        }
         Ok(ended.map(|e| ReapOutcome {
             sessions: e.sessions(),
             locks: e.locks,

@@ -126,6 +126,9 @@ struct Inner {
     /// Names this node as the holder of the reaper lock.
     node: String,
     waiting: Waiting,
+    /// `Backend::ends`: fired after this node's reaper ended sessions and on every message
+    /// of the subscription (another node's commit may have ended sessions).
+    ends: Arc<tokio::sync::Notify>,
     /// The durability check has passed (or was waived) against the Redis reached.
     checked: AtomicBool,
     /// The last call reached Redis.
@@ -444,6 +447,7 @@ impl Redis {
                 conn,
                 node: uuid::Uuid::new_v4().simple().to_string(),
                 waiting,
+                ends: Arc::new(tokio::sync::Notify::new()),
                 checked: AtomicBool::new(false),
                 ok: AtomicBool::new(false),
                 draining: AtomicBool::new(false),
@@ -776,6 +780,7 @@ impl Redis {
                             m = messages.next() => match m {
                                 Some(m) => {
                                     let payload: String = m.get_payload().unwrap_or_default();
+                                    self.inner.ends.notify_one();
                                     if payload == "*" {
                                         self.inner.waiting.wake_all();
                                     } else if let Some(r) = Resource::from_payload(&payload) {
@@ -837,6 +842,7 @@ impl Redis {
                         m.reaper_pass_seconds
                             .observe(started.elapsed().as_secs_f64());
                         if outcome.sessions > 0 {
+                            self.inner.ends.notify_one();
                             m.reaper_batch_size.observe(outcome.sessions as f64);
                             tracing::debug!(
                                 sessions = outcome.sessions,
@@ -1067,6 +1073,10 @@ impl Backend for Redis {
 
     fn ready(&self) -> bool {
         Redis::ready(self)
+    }
+
+    fn ends(&self) -> Arc<tokio::sync::Notify> {
+        self.inner.ends.clone()
     }
 
     fn begin_drain(&self) {
