@@ -890,7 +890,7 @@ async fn request_ids_of_two_tokens_never_collide() {
     assert_ne!(other.body["job_id"], first.body["job_id"]);
     // Another token, the same id, another body: not a reuse of the first token's id.
     let b2 = enq(b.clone(), json!(2)).await;
-    assert_eq!(b2.status, 422, "{}", b2.text);
+    assert_eq!(b2.status, 409, "{}", b2.text);
     assert_eq!(b2.body["error"], "request_id_reused");
     // Each token's retry gets its own first answer.
     assert_eq!(enq(a, json!(1)).await.body, first.body);

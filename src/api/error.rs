@@ -189,9 +189,11 @@ impl ApiError {
                             Some(i.field.to_string()),
                         );
                     }
+                    // 409, as for the other calls that conflict with what is already recorded:
+                    // the request is well formed, the id is taken.
                     E::RequestIdReused => {
                         return (
-                            StatusCode::UNPROCESSABLE_ENTITY,
+                            StatusCode::CONFLICT,
                             "request_id_reused",
                             e.to_string(),
                             Some("request_id".into()),

@@ -125,7 +125,7 @@ pub async fn a_request_id_reused_for_another_call_is_refused(s: &TestServer) {
     ];
     for (path, body) in reuses {
         let r = s.post(&path, body).await;
-        assert_eq!(r.status, 422, "{path}: {}", r.text);
+        assert_eq!(r.status, 409, "{path}: {}", r.text);
         assert_eq!(r.body["error"], "request_id_reused", "{path}");
         assert_eq!(r.body["field"], "request_id", "{path}");
     }
@@ -137,7 +137,7 @@ pub async fn a_request_id_reused_for_another_call_is_refused(s: &TestServer) {
         201
     );
     let r = enqueue_with(s, "q", json!({"payload": 2, "request_id": "e-1"})).await;
-    assert_eq!(r.status, 422, "{}", r.text);
+    assert_eq!(r.status, 409, "{}", r.text);
     assert_eq!(r.body["error"], "request_id_reused");
     // Nothing of the refused calls happened.
     assert_eq!(holder(s, "k").await.body["token"], t);
@@ -173,7 +173,7 @@ pub async fn a_request_id_is_forgotten_after_its_retention(s: &TestServer) {
     assert_eq!(counts(s, "q").await, (2, 0, 0, 0));
     // Once forgotten, the id may even name another call.
     let r = enqueue_with(s, "q", json!({"payload": "y", "request_id": "enq-1"})).await;
-    assert_eq!(r.status, 422, "{}", r.text);
+    assert_eq!(r.status, 409, "{}", r.text);
     s.advance(1_000).await;
     // The reaper's pass forgets expired ids; a new call with the id then acts.
     assert_eq!(s.reap().await.status, 200);
@@ -321,7 +321,7 @@ pub async fn a_repeated_open_opens_one_session(s: &TestServer) {
         json!({"owner": "w", "ttl_ms": 60_000, "request_id": "open-1"}),
     ] {
         let r = s.post("/v1/sessions", other.clone()).await;
-        assert_eq!(r.status, 422, "{other}: {}", r.text);
+        assert_eq!(r.status, 409, "{other}: {}", r.text);
         assert_eq!(r.body["error"], "request_id_reused");
     }
     // A bad id is refused before anything opens; a refused open is not remembered.
