@@ -272,10 +272,12 @@ async fn tail(hub: Arc<Watches>) {
             return;
         }
         // Decided under the lock a watch registers under: a watch that arrives after this
-        // sees `live` false and waits for the cursor to be found again.
+        // sees `live` false and waits for the cursor to be found again. Idle means no watch
+        // is registered, not that none waits for an end: a watch whose end was just handed
+        // over may not yet have seen `live` turn true, and must not see it turn false first.
         let idle = {
             let st = hub.state.lock();
-            let idle = st.subs.is_empty();
+            let idle = st.open == 0;
             if idle {
                 hub.live.send_replace(false);
             }

@@ -215,6 +215,7 @@ contract! {
         a_watcher_sees_an_operator_end with crate::watch::quick,
         a_watcher_sees_its_client_close with crate::watch::quick,
         watching_a_gone_session_is_404,
+        watching_a_session_closed_a_moment_before_is_404_at_once,
         a_reaper_end_reaches_a_watcher_without_a_recheck with |c| {
             // Re-checks never come within the test: only the backend's signal of ends can
             // bring the end to the watcher in time.

@@ -162,6 +162,32 @@ pub async fn watching_a_gone_session_is_404(s: &TestServer) {
     assert_invalid(&r, "session_id");
 }
 
+/// Regression: a watch of a session closed a moment before hung instead of answering 404.
+/// The log's tail, woken by the watch, found the end, handed the session's end to that watch
+/// (emptying the hub's list of ends awaited) and, seeing no end awaited, turned idle again
+/// before the watch had seen it turn live: the watch waited for a tail that never came.
+/// Each round is that watch arriving at an idle tail.
+pub async fn watching_a_session_closed_a_moment_before_is_404_at_once(s: &TestServer) {
+    for round in 0..10 {
+        let a = s.open("alice", 60_000).await;
+        close(s, &a).await;
+        let r = tokio::time::timeout(
+            Duration::from_secs(20),
+            s.get(&format!("/v1/sessions/{a}/watch")),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: the watch of a closed session hung"));
+        assert_error(&r, 404, "session_gone");
+        // Let the tail go idle before the next round.
+        for _ in 0..200 {
+            if metric(s, "leasehold_watches_open").await == Some(0.0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
 pub async fn watches_over_the_cap_are_refused(s: &TestServer) {
     let a = s.open("alice", 60_000).await;
     let mut w = watch(s, &a).await;
