@@ -133,7 +133,11 @@ mod tests {
     fn a_pass_that_is_its_own_cost_is_sized_by_it_alone() {
         let mut s = PassSizer::new(Duration::from_millis(2), 10_000);
         s.observe(0, Duration::from_secs(1));
-        assert_eq!(s.next(), MIN_PASS * 4, "a pass that ended no one teaches nothing");
+        assert_eq!(
+            s.next(),
+            MIN_PASS * 4,
+            "a pass that ended no one teaches nothing"
+        );
         // 256 sessions held the store for 1 ms: 3.9 µs each, so 2 ms fits 512.
         s.observe(256, Duration::from_millis(1));
         assert_eq!(s.next(), 512);
