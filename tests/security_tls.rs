@@ -544,3 +544,161 @@ fn cert_subjects_are_validated() {
     };
     assert!(f.validate().is_ok());
 }
+
+/// The server's base URL with https:// (the server itself prints http:// in tests).
+fn https_url(s: &TestServer) -> String {
+    s.url().replacen("http://", "https://", 1)
+}
+
+fn leasehold() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_leasehold"))
+}
+
+// The CLI runs as a child process the test waits for: the server needs a thread of
+// its own meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_and_the_cli_verify_a_tls_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (cert, key) = (d.join("tls.crt"), d.join("tls.key"));
+    make_cert(d, "server", &cert, &key);
+    make_cert(d, "stranger", &d.join("s.crt"), &d.join("s.key"));
+    let (c, k) = (cert.clone(), key.clone());
+    let s = TestServer::start_with(move |cfg| {
+        cfg.tls_cert_file = Some(c);
+        cfg.tls_key_file = Some(k);
+    })
+    .await;
+    let url = https_url(&s);
+    let trusted = leasehold::client::TlsFiles {
+        ca_file: Some(cert.clone()),
+        ..Default::default()
+    };
+
+    // The Rust client, trusting the server's CA: a session opened and closed over TLS.
+    let client = leasehold::client::Client::new(&url)
+        .unwrap()
+        .with_tls(&trusted)
+        .unwrap();
+    let opened = client
+        .post(
+            "/v1/sessions",
+            &serde_json::json!({"owner": "tls", "ttl_ms": 10000}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(opened.status, 201, "{}", opened.text);
+
+    // A CA that did not sign the server's certificate: refused, naming the server.
+    let untrusted = leasehold::client::Client::new(&url)
+        .unwrap()
+        .with_tls(&leasehold::client::TlsFiles {
+            ca_file: Some(d.join("s.crt")),
+            ..Default::default()
+        })
+        .unwrap();
+    let err = untrusted.get("/v1/sessions").await.unwrap_err();
+    assert!(
+        matches!(err, leasehold::client::ClientError::Untrusted { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains(&url), "{err}");
+
+    // https:// without a CA file, an unreadable CA file, and plain http:// to the TLS
+    // port each get their own clear error.
+    let bare = leasehold::client::Client::new(&url).unwrap();
+    assert!(
+        bare.get("/healthz")
+            .await
+            .unwrap_err()
+            .to_string()
+            .contains("CA file")
+    );
+    let missing =
+        leasehold::client::Client::new(&url)
+            .unwrap()
+            .with_tls(&leasehold::client::TlsFiles {
+                ca_file: Some(d.join("absent.pem")),
+                ..Default::default()
+            });
+    assert!(
+        missing.err().unwrap().to_string().contains("absent.pem"),
+        "an unreadable CA file is named"
+    );
+    let plain = leasehold::client::Client::new(&s.url()).unwrap();
+    let reply = plain.get("/healthz").await.unwrap();
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.body["error"], "tls_required");
+
+    // The CLI: a client command and `leasehold run` with --ca-file.
+    let out = leasehold()
+        .args(["sessions", "list", "--server", &url])
+        .arg("--ca-file")
+        .arg(&cert)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("tls"));
+    let out = leasehold()
+        .args(["run", "--server", &url, "--lock", "tls-job", "--ttl", "5s"])
+        .env("LEASEHOLD_CA_FILE", &cert)
+        .args(["--", "sh", "-c", "test -n \"$LEASEHOLD_TOKEN\" && exit 7"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // An untrusted server is refused by the CLI with the reason, not a bare failure.
+    let out = leasehold()
+        .args(["sessions", "list", "--server", &url])
+        .arg("--ca-file")
+        .arg(d.join("s.crt"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not trusted"), "{stderr}");
+}
+
+// The CLI runs as a child process the test waits for: the server needs a thread of
+// its own meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_acts_through_the_cli() {
+    let (m, _secrets) = mtls(
+        &[("ops", Role::Operator, Some("worker.example"))],
+        ClientAuth::Optional,
+    )
+    .await;
+    let d = m.dir.path();
+    let url = https_url(&m.s);
+    let reap = |cert: Option<&str>| {
+        let mut cmd = leasehold();
+        cmd.args(["reap", "--dry-run", "--server", &url])
+            .arg("--ca-file")
+            .arg(d.join("tls.crt"))
+            .env_remove("LEASEHOLD_API_TOKEN");
+        if let Some(name) = cert {
+            cmd.arg("--client-cert")
+                .arg(d.join(format!("{name}.crt")))
+                .env("LEASEHOLD_CLIENT_KEY", d.join(format!("{name}.key")));
+        }
+        cmd.output().unwrap()
+    };
+    // The mapped certificate acts as the operator token, with no bearer.
+    let out = reap(Some("worker"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Without it, or with a certificate no token names, the call is refused.
+    assert!(!reap(None).status.success());
+    assert!(!reap(Some("stranger")).status.success());
+}

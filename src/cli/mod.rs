@@ -186,6 +186,46 @@ struct ServerArg {
         hide_env_values = true
     )]
     token: Option<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// How an `https://` server is verified, and the certificate presented to it.
+#[derive(Args, Clone, Default)]
+pub(crate) struct TlsArgs {
+    /// PEM file of the CA certificates an https:// server's certificate must chain to
+    /// (the only roots trusted; required for https://).
+    #[arg(long, env = "LEASEHOLD_CA_FILE", value_name = "PEM", global = true)]
+    ca_file: Option<PathBuf>,
+    /// PEM client certificate chain, for a server that maps client certificates to tokens.
+    #[arg(
+        long,
+        env = "LEASEHOLD_CLIENT_CERT",
+        value_name = "PEM",
+        requires = "client_key",
+        global = true
+    )]
+    client_cert: Option<PathBuf>,
+    /// PEM private key of --client-cert.
+    #[arg(
+        long,
+        env = "LEASEHOLD_CLIENT_KEY",
+        value_name = "PEM",
+        requires = "client_cert",
+        global = true,
+        hide_env_values = true
+    )]
+    client_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    pub(crate) fn files(&self) -> crate::client::TlsFiles {
+        crate::client::TlsFiles {
+            ca_file: self.ca_file.clone(),
+            client_cert: self.client_cert.clone(),
+            client_key: self.client_key.clone(),
+        }
+    }
 }
 
 #[derive(Subcommand)]

@@ -9,9 +9,12 @@ use serde_json::{Value, json};
 use super::{JobsAction, LocksAction, PoolsAction, ServerArg, SessionsAction};
 use crate::client::{Client, ClientError, Reply, segment};
 
-/// A client for the server named by `--server`, calling with `--token` when one is given.
+/// A client for the server named by `--server`, calling with `--token` when one is given
+/// and verifying an https:// server with `--ca-file`.
 pub(super) fn connect(server: &ServerArg) -> Result<Client, ClientError> {
-    Client::new(&server.server)?.with_token(server.token.clone())
+    Client::new(&server.server)?
+        .with_tls(&server.tls.files())?
+        .with_token(server.token.clone())
 }
 
 pub fn block_on(fut: impl Future<Output = Result<(), ClientError>>) -> ExitCode {

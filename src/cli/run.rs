@@ -58,6 +58,8 @@ pub struct RunArgs {
     /// API token, sent as `Authorization: Bearer …`.
     #[arg(long, env = "LEASEHOLD_API_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    #[command(flatten)]
+    tls: super::TlsArgs,
     /// The lock to hold while the command runs.
     #[arg(long)]
     lock: Option<String>,
@@ -176,7 +178,10 @@ async fn run_async(args: RunArgs) -> ExitCode {
     if args.ttl.is_zero() {
         return fail("--ttl must be above zero", exit::USAGE);
     }
-    let client = match Client::new(&args.server).and_then(|c| c.with_token(args.token)) {
+    let client = match Client::new(&args.server)
+        .and_then(|c| c.with_tls(&args.tls.files()))
+        .and_then(|c| c.with_token(args.token))
+    {
         Ok(c) => c,
         Err(e) => return fail(&e.to_string(), exit::USAGE),
     };

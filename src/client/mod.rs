@@ -61,7 +61,7 @@ mod http;
 mod session;
 mod watch;
 
-pub use http::{Client, ClientError, Reply, segment};
+pub use http::{Client, ClientError, Reply, TlsFiles, segment};
 pub use session::{
     Backoff, Error, JobGuard, LockGuard, Loss, LossSignal, SeatGuard, Session, SessionBuilder,
 };
