@@ -575,6 +575,16 @@ class _Guard:
                 pass  # the session's end released it already
         return False
 
+    def _give_back(self, path, body):
+        """Releases through ``path``; nothing to do once the session is lost (its end
+        released everything)."""
+        self.held = False
+        if self.session.loss is not None:
+            return
+        status, answer = self.session._call(path, body)
+        if status != 200:
+            raise _error(status, answer)
+
 
 class LockGuard(_Guard):
     """A held lock: ``key`` and ``token`` (the fencing token). Given back on leaving ``with``."""
@@ -584,13 +594,8 @@ class LockGuard(_Guard):
         self.key = key
 
     def release(self):
-        self.held = False
-        if self.session.loss is not None:
-            return
         body = {"session_id": self.session.id, "token": self.token, "request_id": _request_id()}
-        status, answer = self.session._call(f"/v1/locks/{segment(self.key)}/release", body)
-        if status != 200:
-            raise _error(status, answer)
+        self._give_back(f"/v1/locks/{segment(self.key)}/release", body)
 
 
 class SeatGuard(_Guard):
@@ -601,12 +606,8 @@ class SeatGuard(_Guard):
         self.pool = pool
 
     def release(self):
-        self.held = False
-        if self.session.loss is not None:
-            return
-        status, answer = self.session._call(f"/v1/pools/{segment(self.pool)}/release", {"session_id": self.session.id, "seat_token": self.token})
-        if status != 200:
-            raise _error(status, answer)
+        body = {"session_id": self.session.id, "seat_token": self.token}
+        self._give_back(f"/v1/pools/{segment(self.pool)}/release", body)
 
 
 class Job(_Guard):
