@@ -193,36 +193,35 @@ fn cert_and_key_go_together() {
 
 /// A CA certificate and key, `name.crt` and `name.key` in `dir`.
 fn make_ca(dir: &Path, name: &str) {
-    let st = Command::new("openssl")
-        .args(["req", "-x509", "-newkey", "ec"])
-        .args(["-pkeyopt", "ec_paramgen_curve:prime256v1"])
-        .args(["-nodes", "-days", "2", "-subj", &format!("/CN={name}")])
-        .args(["-addext", "basicConstraints=critical,CA:TRUE"])
-        .args(["-addext", "keyUsage=critical,keyCertSign"])
-        .arg("-keyout")
-        .arg(dir.join(format!("{name}.key")))
-        .arg("-out")
-        .arg(dir.join(format!("{name}.crt")))
-        .stderr(std::process::Stdio::null())
-        .status()
-        .expect("openssl runs");
-    assert!(st.success());
+    openssl_req(dir, name, name, |c| {
+        c.args(["-addext", "basicConstraints=critical,CA:TRUE"])
+            .args(["-addext", "keyUsage=critical,keyCertSign"]);
+    });
 }
 
 /// A client certificate signed by CA `ca`, with common name `cn` and subjectAltName DNS
 /// name `dns`, written to `name.crt` and `name.key` in `dir`.
 fn make_client(dir: &Path, ca: &str, name: &str, cn: &str, dns: &str) {
-    let st = Command::new("openssl")
-        .args(["req", "-x509", "-newkey", "ec"])
+    openssl_req(dir, name, cn, |c| {
+        c.arg("-CA")
+            .arg(dir.join(format!("{ca}.crt")))
+            .arg("-CAkey")
+            .arg(dir.join(format!("{ca}.key")))
+            .args(["-addext", &format!("subjectAltName=DNS:{dns}")])
+            .args(["-addext", "basicConstraints=critical,CA:FALSE"])
+            .args(["-addext", "extendedKeyUsage=clientAuth"]);
+    });
+}
+
+/// `openssl req -x509` for an EC P-256 key and certificate with common name `cn`, written to
+/// `name.crt` and `name.key` in `dir`; `extra` adds the signer and extensions.
+fn openssl_req(dir: &Path, name: &str, cn: &str, extra: impl FnOnce(&mut Command)) {
+    let mut c = Command::new("openssl");
+    c.args(["req", "-x509", "-newkey", "ec"])
         .args(["-pkeyopt", "ec_paramgen_curve:prime256v1"])
-        .args(["-nodes", "-days", "2", "-subj", &format!("/CN={cn}")])
-        .arg("-CA")
-        .arg(dir.join(format!("{ca}.crt")))
-        .arg("-CAkey")
-        .arg(dir.join(format!("{ca}.key")))
-        .args(["-addext", &format!("subjectAltName=DNS:{dns}")])
-        .args(["-addext", "basicConstraints=critical,CA:FALSE"])
-        .args(["-addext", "extendedKeyUsage=clientAuth"])
+        .args(["-nodes", "-days", "2", "-subj", &format!("/CN={cn}")]);
+    extra(&mut c);
+    let st = c
         .arg("-keyout")
         .arg(dir.join(format!("{name}.key")))
         .arg("-out")
