@@ -95,6 +95,110 @@ async fn the_seat_layout_shows_a_taken_seat_and_nothing_after_release_or_reclaim
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_expiries_in_big_passes_audits_each_once_and_frees_everything() {
+    // Guards against ends batched over a whole reaper pass (variadic deletions, several
+    // events to a stream entry) losing or doubling an event, or leaving a lock, a seat, a
+    // layout entry, a claimed job or a session key behind; the log is read in pages that
+    // split the entries.
+    const N: usize = 300;
+    let s = TestServer::start_on(BackendKind::Redis, |c| c.reaper_batch = 1_000).await;
+    let keys = s.keys.as_ref().unwrap();
+    let ns = &keys.namespace;
+    make_pool(&s, "LIC-STORM", N as u64).await;
+    let mut ids = Vec::new();
+    let mut seated = Vec::new();
+    let mut claimers = Vec::new();
+    for i in 0..N {
+        let id = s.open("storm", 1_000).await;
+        take(&s, &format!("k{i}"), &id).await;
+        if i % 3 == 0 {
+            seat(&s, "LIC-STORM", &id).await;
+            seated.push(id.clone());
+        }
+        if i % 10 == 0 {
+            enqueue(&s, "q", json!({"payload": i, "idempotent": true})).await;
+            claim_job(&s, "q", &id).await;
+            claimers.push(id.clone());
+        }
+        ids.push(id);
+    }
+    let before = all_events(&s).await.len();
+    s.advance(1_000).await;
+    let r = s.reap().await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["sessions_ended"], N, "{}", r.text);
+
+    let mut paged = Vec::new();
+    let mut after = 0;
+    loop {
+        let r = s.get(&format!("/v1/events?after={after}&limit=7")).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let page = r.body["events"].as_array().unwrap().clone();
+        assert!(page.len() <= 7);
+        if page.is_empty() {
+            break;
+        }
+        after = r.body["next"].as_u64().unwrap();
+        paged.extend(page);
+    }
+    assert_eq!(paged, all_events(&s).await);
+    let seqs: Vec<u64> = paged.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<u64>>());
+    let storm = &paged[before..];
+    let sorted = |events: Vec<&Value>| {
+        let mut ids: Vec<String> = events
+            .iter()
+            .map(|e| e["session_id"].as_str().unwrap().to_string())
+            .collect();
+        ids.sort();
+        ids
+    };
+    let mut all = ids.clone();
+    all.sort();
+    seated.sort();
+    claimers.sort();
+    assert_eq!(sorted(of_kind(storm, "session_expired")), all);
+    assert_eq!(sorted(of_kind(storm, "seat_reclaimed")), seated);
+    assert_eq!(sorted(of_kind(storm, "job_recovered")), claimers);
+    assert_eq!(storm.len(), N + seated.len() + claimers.len());
+
+    let locks = s.get("/v1/locks?limit=1000").await;
+    assert_eq!(locks.body["locks"], json!([]), "{}", locks.text);
+    assert!(holders(&s, "LIC-STORM").await.is_empty());
+    assert!(
+        smembers(keys, &format!("{ns}:LIC-STORM:active_sessions"))
+            .await
+            .is_empty()
+    );
+    let layout: u64 = redis::cmd("HLEN")
+        .arg(format!("{ns}:LIC-STORM:session_metadata"))
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(layout, 0);
+    assert_eq!(counts(&s, "q").await, (claimers.len() as u64, 0, 0, 0));
+    let left: Vec<String> = keys
+        .keys()
+        .await
+        .into_iter()
+        .filter(|k| k.starts_with(&format!("{ns}:!s:")))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["check", "--backend", "redis", "--redis-url", &redis_url()])
+        .args(["--namespace", &s.config.namespace])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("sessions: 0\nlocks: 0\nevents: {}\n", paged.len())),
+        "{text}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operations_survive_redis_forgetting_the_functions() {
     // Guards against a node that loads its functions once and then fails every call with
     // "Function not found" after Redis forgets them (FUNCTION FLUSH, a restart without

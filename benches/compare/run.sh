@@ -19,7 +19,9 @@
 # raw Redis scripts, 100 000 sessions in the mass expiry:
 #   TARGETS="leasehold_redis redis_always" WORKLOADS="lock-churn heartbeat" REPORT=0 \
 #       benches/compare/run.sh
-# BUILD=0 skips the two release builds and runs the binaries as they are.
+# BUILD=0 skips the two release builds and runs the binaries as they are. The target
+# leasehold_redis_old runs the binary OLD_LEASEHOLD (an earlier build) the same way, so
+# TARGETS="leasehold_redis_old leasehold_redis redis_always" compares old, new and raw.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -92,20 +94,29 @@ target_leasehold_pg() {
 }
 
 # Leasehold on a Redis of its own, crash-durable like the raw one (AOF, appendfsync always).
-target_leasehold_redis() {
+# Leasehold on Redis from the binary $1, named $2 in the tables.
+leasehold_on_redis() {
     mkdir -p "$work/redis-leasehold"
     $server_cpu redis-server --port 6392 --bind 127.0.0.1 --dir "$work/redis-leasehold" \
         --appendonly yes --appendfsync always --save "" --daemonize yes \
         --logfile "$work/redis-leasehold.log"
     for _ in $(seq 1 100); do redis-cli -p 6392 ping >/dev/null 2>&1 && break; sleep 0.1; done
-    $server_cpu "$root/target/release/leasehold" serve --backend redis \
+    $server_cpu "$1" serve --backend redis \
         --redis-url redis://127.0.0.1:6392/0 --namespace bench_compare --listen 127.0.0.1:7893 \
         --log-level warn >"$work/leasehold-redis.log" 2>&1 &
     server_pid=$!
     pids+=("$server_pid")
     ready http://127.0.0.1:7893/readyz
     target="leasehold=http://127.0.0.1:7893"
-    label="Leasehold on Redis (AOF always)"
+    label="$2"
+}
+target_leasehold_redis() {
+    leasehold_on_redis "$root/target/release/leasehold" "Leasehold on Redis (AOF always)"
+}
+# The same from an earlier build, OLD_LEASEHOLD (a path), for old against new in one run.
+target_leasehold_redis_old() {
+    leasehold_on_redis "${OLD_LEASEHOLD:?OLD_LEASEHOLD names the earlier binary}" \
+        "Leasehold on Redis (AOF always), earlier build"
 }
 
 redis_pid() {
@@ -181,8 +192,9 @@ stop_target() {
         *) kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true ;;
         esac
     fi
-    [ "$label" = "Leasehold on Redis (AOF always)" ] &&
-        redis-cli -p 6392 shutdown nosave >/dev/null 2>&1
+    case "$label" in
+    "Leasehold on Redis"*) redis-cli -p 6392 shutdown nosave >/dev/null 2>&1 ;;
+    esac
     true
     [ "$label" = PostgreSQL ] && [ "$pin" = 1 ] && unpin_postgres
     rm -rf "$work/leasehold" "$work/etcd" "$work/redis-always" "$work/redis-default" \

@@ -22,14 +22,19 @@
 -- * Every mutation draws its revision from `INCR {ns}:!rev`; a grant's token is its
 --   revision, so tokens only grow, across nodes and (with append-only persistence)
 --   restarts.
--- * Audit events go to the stream `{ns}:!events`, with ids `{seq}-1` numbered by
---   `INCR {ns}:!evseq` in the order the operations ran.
+-- * Audit events go to the stream `{ns}:!events`, numbered by `INCR {ns}:!evseq` in the
+--   order the operations ran. An operation's events are written when it finishes: one
+--   event as the entry `{seq}-1` with the field `e`; several (an end, a reap pass) as
+--   entries of up to EVENTS_PER_ENTRY consecutive events each, id `{last seq}-1`, field
+--   `b`, the events' JSON joined by newlines (JSON as cjson writes it has none). So an
+--   entry's id is the number of its last event, and a cursor `(after-1` finds every
+--   entry that holds an event after `after`.
 -- * What frees a key, a seat or a job is published on `{ns}:!free` (`lock:K`, `pool:P`,
 --   `queue:Q`, or `*` for more than can be listed), so other nodes wake their waiters.
 
 -- The call being run: its arguments, its namespace's key names, its time. Set by `dispatch`
 -- at the start of every call (Redis runs one call at a time, so they are never shared).
-local ARGV, NOW
+local ARGV, NOW, NOW_S
 local ns, P
 local K_REV, K_CLOCK, K_EVSEQ, K_EVENTS, K_SESSIONS, K_DEADLINES, K_LOCKS, K_LOCKIDX
 local K_POOLS, K_QUEUES, K_FINISHED, K_JOB_HEAD, K_JOB_TAIL, K_REAPER, CHANNEL
@@ -45,6 +50,7 @@ local ACTOR_KINDS = {
 }
 -- <<< actor
 local NOTIFY_EACH_MAX = 64
+local EVENTS_PER_ENTRY = 256
 
 -- Names the keys of namespace `name`; a call in the namespace of the one before reuses them.
 local function bind(name)
@@ -90,8 +96,9 @@ local function revision() return tonumber(redis.call('GET', K_REV) or '0') end
 -- The event counter: the first event of a call takes its number with one `INCR`; the
 -- call's later events number on from it in memory and `finish` writes the last number back
 -- once, so a reap of thousands of sessions does not `INCR` it thousands of times.
--- `dispatch` forgets both at the start of every call.
+-- `run` forgets both, and the events not yet written, at the start of every operation.
 local evseq, evdirty = nil, false
+local evbuf, evn = {}, 0
 local function event(e)
     if evseq then
         evseq = evseq + 1
@@ -102,10 +109,37 @@ local function event(e)
     e.seq = evseq
     e.at = NOW
     if ACTOR and ACTOR_KINDS[e.kind] then e.actor = ACTOR end -- actor (see above)
-    redis.call('XADD', K_EVENTS, string.format('%d-1', evseq), 'e', cjson.encode(e))
+    evn = evn + 1
+    evbuf[evn] = cjson.encode(e)
 end
+-- Writes the operation's events (see the rules above) and the counter; run after every
+-- operation, failed or not, so each event it numbered is in the log once. A second call
+-- writes nothing.
 local function finish()
+    if evn == 1 then
+        redis.call('XADD', K_EVENTS, string.format('%d-1', evseq), 'e', evbuf[1])
+    elseif evn > 1 then
+        local first = evseq - evn + 1
+        local i = 1
+        while i <= evn do
+            local j = math.min(i + EVENTS_PER_ENTRY - 1, evn)
+            redis.call('XADD', K_EVENTS, string.format('%d-1', first + j - 1), 'b',
+                table.concat(evbuf, '\n', i, j))
+            i = j + 1
+        end
+    end
     if evdirty then redis.call('SET', K_EVSEQ, string.format('%d', evseq)) end
+    evbuf, evn, evdirty = {}, 0, false
+end
+
+-- The events of a stream entry, oldest first, and the number of the first of them.
+local function entry_events(entry)
+    local last = tonumber(string.match(entry[1], '^(%d+)-'))
+    local fields = entry[2]
+    if fields[1] == 'e' then return { fields[2] }, last end
+    local out = {}
+    for text in string.gmatch(fields[2], '[^\n]+') do out[#out + 1] = text end
+    return out, last - #out + 1
 end
 
 local function publish(list)
@@ -161,7 +195,15 @@ local function live(s) return s ~= nil and tonumber(s.x) > NOW end
 local function new_acc()
     return { closed = 0, expired = 0, admin = 0, locks = 0, seats = 0, recovered = 0,
         failed = {}, keys = {}, pools = {}, recovered_q = {}, failed_q = {}, free = {},
-        gone_keys = {}, gone_ids = {}, gone_locks = {} }
+        nfree = 0, gone_keys = {}, gone_ids = {}, gone_locks = {} }
+end
+
+-- Notes that `kind .. name` was freed. Only the first NOTIFY_EACH_MAX are kept: past that
+-- the end publishes `*`, so a pass of thousands builds no names it would not send.
+local function freed(acc, kind, name)
+    local n = acc.nfree + 1
+    acc.nfree = n
+    if n <= NOTIFY_EACH_MAX then acc.free[n] = kind .. name end
 end
 
 local function in_chunks(cmd, key, list)
@@ -211,7 +253,7 @@ local function settle_job(jid, sid, acc)
         event({ kind = 'job_recovered', sid = sid, token = tok, queue = q, job = jid })
         acc.recovered = acc.recovered + 1
         acc.recovered_q[#acc.recovered_q + 1] = q
-        acc.free[#acc.free + 1] = 'queue:' .. q
+        freed(acc, 'queue:', q)
     else
         local reason = (j[2] == '1') and 'max_recoveries_exceeded' or 'not_idempotent'
         redis.call('HSET', jk, 'st', 'failed', 'rsn', reason, 'cs', '', 'ca', '', 'upd', NOW)
@@ -224,16 +266,25 @@ local function settle_job(jid, sid, acc)
     end
 end
 
+-- Orders of `{name, token}` pairs: by name, by token.
+local function by_first(a, b) return a[1] < b[1] end
+local function by_second(a, b) return a[2] < b[2] end
+
 -- Ends session `id` for `reason`: its seats reclaimed, its jobs settled, then its end
 -- with the locks it released in token order; the events in that order. False when it does
 -- not exist.
 local function end_one(id, reason, acc)
     local sk = k_session(id)
-    if redis.call('EXISTS', sk) == 0 then return false end
-    local seats = redis.call('HGETALL', sk .. ':seats')
+    -- One count for three keys, the record named twice (EXISTS counts each naming): below
+    -- 2 there is no session; 2, a session that holds neither seats nor jobs (the common
+    -- case, read no further); above, one with seats or jobs or both.
+    local n = redis.call('EXISTS', sk, sk, sk .. ':seats', sk .. ':jobs')
+    if n < 2 then return false end
+    local more = n > 2
+    local seats = more and redis.call('HGETALL', sk .. ':seats') or {}
     local pools = {}
     for i = 1, #seats, 2 do pools[#pools + 1] = { seats[i], tonumber(seats[i + 1]) } end
-    table.sort(pools, function(a, b) return a[1] < b[1] end)
+    table.sort(pools, by_first)
     for _, st in ipairs(pools) do
         local pool = st[1]
         redis.call('HDEL', k_seats(pool), id)
@@ -242,30 +293,35 @@ local function end_one(id, reason, acc)
         event({ kind = 'seat_reclaimed', sid = id, token = st[2], reason = reason, pool = pool })
         acc.seats = acc.seats + 1
         acc.pools[#acc.pools + 1] = pool
-        acc.free[#acc.free + 1] = 'pool:' .. pool
+        freed(acc, 'pool:', pool)
     end
-    local jobs = redis.call('SMEMBERS', sk .. ':jobs')
-    table.sort(jobs)
-    for _, jid in ipairs(jobs) do settle_job(jid, id, acc) end
+    if more then
+        local jobs = redis.call('SMEMBERS', sk .. ':jobs')
+        table.sort(jobs)
+        for _, jid in ipairs(jobs) do settle_job(jid, id, acc) end
+    end
     local flat = redis.call('HGETALL', sk .. ':locks')
     local locks = {}
     for i = 1, #flat, 2 do locks[#locks + 1] = { flat[i], tonumber(flat[i + 1]) } end
-    table.sort(locks, function(a, b) return a[2] < b[2] end)
+    table.sort(locks, by_second)
     local keys, tokens = {}, {}
     for _, l in ipairs(locks) do
         acc.gone_locks[#acc.gone_locks + 1] = l[1]
         keys[#keys + 1] = l[1]
         tokens[#tokens + 1] = l[2]
         acc.keys[#acc.keys + 1] = l[1]
-        acc.free[#acc.free + 1] = 'lock:' .. l[1]
+        freed(acc, 'lock:', l[1])
     end
     acc.locks = acc.locks + #locks
     event({ kind = end_kind(reason), sid = id, reason = reason, rk = keys, rt = tokens })
+    -- Only the keys that exist: a seat hash or job set emptied earlier is gone already.
     local g = acc.gone_keys
     g[#g + 1] = sk
-    g[#g + 1] = sk .. ':seats'
-    g[#g + 1] = sk .. ':jobs'
-    g[#g + 1] = sk .. ':locks'
+    if #locks > 0 then g[#g + 1] = sk .. ':locks' end
+    if more then
+        g[#g + 1] = sk .. ':seats'
+        g[#g + 1] = sk .. ':jobs'
+    end
     acc.gone_ids[#acc.gone_ids + 1] = id
     acc[reason] = acc[reason] + 1
     return true
@@ -275,8 +331,8 @@ end
 -- out (`listed` false) when more was freed than a notification lists one by one.
 local function ended(acc, rev)
     flush(acc)
-    publish(acc.free)
-    local listed = #acc.free <= NOTIFY_EACH_MAX
+    local listed = acc.nfree <= NOTIFY_EACH_MAX
+    if listed then publish(acc.free) else redis.call('PUBLISH', CHANNEL, '*') end
     local out = { by = { acc.closed, acc.expired, acc.admin }, revision = rev,
         locks = acc.locks, seats = acc.seats, recovered = acc.recovered, failed = acc.failed,
         listed = listed }
@@ -338,15 +394,16 @@ end
 function OPS.heartbeat()
     local id, ttl = ARGV[3], ARGV[4]
     local sk = k_session(id)
-    local s = redis.call('HMGET', sk, 'x', 'ttl', 'm')
+    local s = redis.call('HMGET', sk, 'x', 'ttl')
     if not s[1] then return answer({ err = 'gone' }) end
     if tonumber(s[1]) <= NOW then
         return answer({ err = 'gone', ended = end_if_expired(id) })
     end
     if ttl == '' then ttl = tonumber(s[2]) else ttl = tonumber(ttl) end
     local x = NOW + ttl
-    redis.call('HSET', sk, 'ttl', ttl, 'x', x, 'h', NOW)
-    redis.call('ZADD', K_DEADLINES, x, id)
+    local x_s = string.format('%d', x)
+    redis.call('HSET', sk, 'ttl', string.format('%d', ttl), 'x', x_s, 'h', NOW_S)
+    redis.call('ZADD', K_DEADLINES, x_s, id)
     local seats = redis.call('HGETALL', sk .. ':seats')
     for i = 1, #seats, 2 do
         local pool = seats[i]
@@ -354,11 +411,12 @@ function OPS.heartbeat()
         if raw then
             local seat = cjson.decode(raw)
             local meta = seat.m
-            if meta == '' then meta = s[3] end
+            -- The session's metadata, read only for a seat that has none of its own.
+            if meta == '' then meta = redis.call('HGET', sk, 'm') end
             redis.call('HSET', k_layout(pool), id, layout_entry(meta, seat.at, NOW, id, seat.t))
         end
     end
-    return answer({ expires_at = x, ttl = ttl })
+    return string.format('{"expires_at":%d,"ttl":%d}', x, ttl)
 end
 
 -- live(id): whether the session is live, ending it when past its deadline.
@@ -454,9 +512,10 @@ function OPS.acquire()
     local held = redis.call('HLEN', k_session(sid) .. ':locks')
     if held >= max then return answer({ err = 'too_many', n = held, ended = e }) end
     local tok = draw()
-    redis.call('HSET', K_LOCKS, key, sid .. '|' .. tok .. '|' .. NOW)
+    local tok_s = string.format('%d', tok)
+    redis.call('HSET', K_LOCKS, key, sid .. '|' .. tok_s .. '|' .. NOW_S)
     redis.call('ZADD', K_LOCKIDX, 0, key)
-    redis.call('HSET', k_session(sid) .. ':locks', key, tok)
+    redis.call('HSET', k_session(sid) .. ':locks', key, tok_s)
     event({ kind = 'lock_acquired', sid = sid, key = key, token = tok })
     return answer({ granted = tok, ended = e })
 end
@@ -853,7 +912,13 @@ function OPS.events()
     local entries = redis.call('XRANGE', K_EVENTS, string.format('(%d-1', after), '+', 'COUNT',
         limit)
     local out = {}
-    for _, entry in ipairs(entries) do out[#out + 1] = entry[2][2] end
+    for _, entry in ipairs(entries) do
+        local texts, first = entry_events(entry)
+        for k, text in ipairs(texts) do
+            if #out >= limit then break end
+            if first + k - 1 > after then out[#out + 1] = text end
+        end
+    end
     return answer({ events = out })
 end
 
@@ -877,6 +942,8 @@ function OPS.reap()
     local rev = draw()
     for _, id in ipairs(due) do end_one(id, 'expired', acc) end
     local out = ended(acc, rev)
+    -- The pass's events written inside the time measured.
+    finish()
     local stopped = redis.call('TIME')
     local us = (tonumber(stopped[1]) - tonumber(started[1])) * 1000000 +
         tonumber(stopped[2]) - tonumber(started[2])
@@ -918,14 +985,16 @@ function OPS.retention()
         if #entries == 0 then break end
         local ids = {}
         for _, entry in ipairs(entries) do
-            if cjson.decode(entry[2][2]).at >= NOW - ev_ms then
+            -- The events of one entry were written by one call, at one time.
+            local texts = entry_events(entry)
+            if cjson.decode(texts[1]).at >= NOW - ev_ms then
                 young = true
                 break
             end
             ids[#ids + 1] = entry[1]
+            trimmed = trimmed + #texts
         end
         if #ids > 0 then redis.call('XDEL', K_EVENTS, unpack(ids)) end
-        trimmed = trimmed + #ids
         from = '(' .. entries[#entries][1]
     end
     return answer({ purged = #old, trimmed = trimmed })
@@ -1072,13 +1141,18 @@ function OPS.check()
     end
     local evseq = tonumber(redis.call('GET', K_EVSEQ) or '0')
     local last = redis.call('XREVRANGE', K_EVENTS, '+', '-', 'COUNT', 1)
+    -- Events are numbered without gaps and trimmed only from the start, so the log holds
+    -- those from its first entry's first event to its last entry's.
+    local events = 0
     if #last > 0 then
         local seq = tonumber(string.match(last[1][1], '^(%d+)-'))
         if seq > evseq then
             problem('event ' .. seq .. ' is numbered above the event counter ' .. evseq)
         end
+        local _, first = entry_events(redis.call('XRANGE', K_EVENTS, '-', '+', 'COUNT', 1)[1])
+        events = seq - first + 1
     end
-    return answer({ sessions = #ids, locks = #locks / 2, events = redis.call('XLEN', K_EVENTS),
+    return answer({ sessions = #ids, locks = #locks / 2, events = events,
         revision = rev, jobs = jobs, problems = problems })
 end
 
@@ -1097,7 +1171,7 @@ end
 -- given a PX so Redis drops it. Failures are not recorded: they changed nothing.
 local function run(args)
     ARGV = args
-    evseq, evdirty = nil, false
+    evseq, evdirty, evbuf, evn = nil, false, {}, 0
     local op = args[2]
     -- >>> actor
     ACTOR = nil
@@ -1156,6 +1230,9 @@ end
 local function dispatch(_, args)
     bind(args[1])
     NOW = now_ms()
+    -- Written as text where stored: Lua would otherwise format the number afresh ('%.14g')
+    -- at every command that takes it.
+    NOW_S = string.format('%d', NOW)
     if args[2] ~= '!batch' then return run(args) end
     local answers, i = {}, 3
     while i <= #args do
