@@ -231,7 +231,10 @@ impl Writer {
     /// and `None` returned: acting again would claim a second job or answer a second grant.
     /// Otherwise the want is handed back to act on.
     fn settled(&mut self, want: Want, at: At) -> Option<Want> {
-        let check = self.requests.check(want.request()?, at.wall);
+        let Some(request) = want.request() else {
+            return Some(want);
+        };
+        let check = self.requests.check(request, at.wall);
         let answer = match check {
             RequestCheck::New => return Some(want),
             RequestCheck::Replay(a) => {
