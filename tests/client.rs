@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::{TestServer, admin_end};
-use leasehold::client::{Client, Error, Loss, Session};
+use leasehold::client::{Client, Error, Loss, NewJob, Session};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -324,6 +324,38 @@ async fn an_open_whose_answer_is_lost_opens_one_session() {
     assert_eq!(opened[0]["session_id"], session.id());
     // The session is the live one: a lock under it works.
     drop(session.lock("after-a-lost-open").await.unwrap());
+}
+
+/// An enqueue whose answer is lost is retried under its request_id: one job, and the answer
+/// names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_whose_answer_is_lost_enqueues_one_job() {
+    let s = TestServer::start().await;
+    let proxied = answer_dropping_proxy(common::addr(&s), 1).await;
+    let job = NewJob {
+        kind: Some("report".into()),
+        ..NewJob::new(json!({"n": 1}))
+    };
+    let enqueued = Client::new(&proxied)
+        .unwrap()
+        .enqueue("reports", &job)
+        .await
+        .unwrap();
+    assert_eq!(enqueued.queue, "reports");
+    let events = common::all_events(&s).await;
+    let made = common::of_kind(&events, "job_enqueued");
+    assert_eq!(made.len(), 1, "{events:?}");
+    assert_eq!(made[0]["job_id"], enqueued.job_id.as_str());
+    let shown = common::job(&s, &enqueued.job_id).await;
+    assert_eq!(shown.body["kind"], "report");
+    // Without a lost answer, another enqueue is another job.
+    let second = Client::new(&s.url())
+        .unwrap()
+        .enqueue("reports", &job)
+        .await
+        .unwrap();
+    assert_ne!(second.job_id, enqueued.job_id);
+    assert_eq!(common::counts(&s, "reports").await, (2, 0, 0, 0));
 }
 
 /// The failure this guards against: a client that counts its lease from when an answer

@@ -6,6 +6,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router, routing};
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 use super::error::ApiError;
 use super::extract::{Body, KeyPath, Query, Whole, page_limit, session_id, whole};
@@ -123,6 +124,7 @@ async fn enqueue(
 struct ClaimRequest {
     session_id: String,
     wait_ms: Option<Whole>,
+    request_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -146,8 +148,29 @@ async fn claim(
     let id = session_id(&req.session_id)?;
     caller.act(id)?;
     let wait_ms = whole(req.wait_ms).unwrap_or(0);
+    let request = retry::request(
+        &caller,
+        req.request_id,
+        "job_claim",
+        queue.as_str(),
+        serde_json::json!({ "session_id": id.to_string() }),
+    )?;
     let _slot = wait_slot(&app, &caller, wait_ms, "queue", &queue)?;
-    let Some(c) = app.engine.claim(id, queue.clone(), wait_ms).await? else {
+    let claimed = match request {
+        None => app.engine.claim(id, queue.clone(), wait_ms).await?,
+        Some(request) => {
+            let op = Mutation::Claim {
+                id,
+                queue: queue.clone(),
+                wait_ms,
+            };
+            match app.engine.once(request, op).await? {
+                Answer::NoJob => None,
+                answer => Some(answer.claimed().ok_or(BackendError::RequestIdReused)?),
+            }
+        }
+    };
+    let Some(c) = claimed else {
         return Ok(StatusCode::NO_CONTENT.into_response());
     };
     // The claim is committed, and so is the job's payload: it was written at enqueue.
@@ -176,6 +199,7 @@ struct CompleteRequest {
     session_id: String,
     token: Whole,
     result: Option<serde_json::Value>,
+    request_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -184,6 +208,7 @@ struct FailRequest {
     session_id: String,
     token: Whole,
     reason: Option<String>,
+    request_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -191,6 +216,7 @@ struct FailRequest {
 struct ReleaseRequest {
     session_id: String,
     token: Whole,
+    request_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -200,22 +226,41 @@ struct FinishResponse {
     revision: u64,
 }
 
+/// Finishes or hands back `job` for its claim (`session`, `token`); with a request id, a
+/// retry answers the first answer (`route` and `asked` fingerprint the call).
 async fn finish(
     app: &AppState,
     caller: &Caller,
     job: JobId,
-    session: &str,
-    token: u64,
+    (session, token): (&str, u64),
     how: Finish,
+    request_id: Option<String>,
 ) -> Result<Json<FinishResponse>, ApiError> {
     let id = session_id(session)?;
     caller.act(id)?;
-    let state = match how {
-        Finish::Complete { .. } => "done",
-        Finish::Fail { .. } => "failed",
-        Finish::Release => "queued",
+    let (state, route, asked) = match &how {
+        Finish::Complete { result } => ("done", "job_complete", json!({ "result": result })),
+        Finish::Fail { reason } => ("failed", "job_fail", json!({ "reason": reason })),
+        Finish::Release => ("queued", "job_release", json!({})),
     };
-    let revision = app.engine.finish_job(id, job, Token(token), how).await?;
+    let asked = json!({ "session_id": id.to_string(), "token": token, "asked": asked });
+    let request = retry::request(caller, request_id, route, &job.to_string(), asked)?;
+    let token = Token(token);
+    let revision = match request {
+        None => app.engine.finish_job(id, job, token, how).await?,
+        Some(request) => {
+            let op = Mutation::Finish {
+                id,
+                job,
+                token,
+                finish: how,
+            };
+            match app.engine.once(request, op).await? {
+                Answer::Finished { revision } => revision,
+                _ => return Err(BackendError::RequestIdReused.into()),
+            }
+        }
+    };
     Ok(Json(FinishResponse {
         job_id: job.to_string(),
         state,
@@ -230,15 +275,9 @@ async fn complete(
     Body(req): Body<CompleteRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
     let result = req.result.map(|r| r.to_string()).unwrap_or_default();
-    finish(
-        &app,
-        &caller,
-        job,
-        &req.session_id,
-        req.token.0,
-        Finish::Complete { result },
-    )
-    .await
+    let claim = (req.session_id.as_str(), req.token.0);
+    let how = Finish::Complete { result };
+    finish(&app, &caller, job, claim, how, req.request_id).await
 }
 
 async fn fail(
@@ -248,15 +287,9 @@ async fn fail(
     Body(req): Body<FailRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
     let reason = req.reason.unwrap_or_else(|| "failed by worker".into());
-    finish(
-        &app,
-        &caller,
-        job,
-        &req.session_id,
-        req.token.0,
-        Finish::Fail { reason },
-    )
-    .await
+    let claim = (req.session_id.as_str(), req.token.0);
+    let how = Finish::Fail { reason };
+    finish(&app, &caller, job, claim, how, req.request_id).await
 }
 
 async fn release(
@@ -265,15 +298,8 @@ async fn release(
     JobPath(job): JobPath,
     Body(req): Body<ReleaseRequest>,
 ) -> Result<Json<FinishResponse>, ApiError> {
-    finish(
-        &app,
-        &caller,
-        job,
-        &req.session_id,
-        req.token.0,
-        Finish::Release,
-    )
-    .await
+    let claim = (req.session_id.as_str(), req.token.0);
+    finish(&app, &caller, job, claim, Finish::Release, req.request_id).await
 }
 
 #[derive(Serialize)]

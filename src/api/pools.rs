@@ -9,9 +9,12 @@ use serde::{Deserialize, Serialize};
 use super::error::ApiError;
 use super::extract::{Body, KeyPath, Whole, metadata, session_id, whole};
 use super::gate::Caller;
+use super::retry;
 use super::wire::json_or_null;
 use super::{AppState, acting, audit, wait_slot};
 use crate::auth::Scope;
+use crate::backend::BackendError;
+use crate::backend::requests::{Answer, Mutation};
 use crate::domain::Token;
 
 pub fn routes() -> Router<AppState> {
@@ -182,6 +185,8 @@ struct AcquireRequest {
     session_id: String,
     wait_ms: Option<Whole>,
     metadata: Option<serde_json::Value>,
+    /// Makes a retry safe: see `retry`.
+    request_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -202,11 +207,31 @@ async fn acquire(
     caller.act(id)?;
     let metadata = metadata(req.metadata)?;
     let wait_ms = whole(req.wait_ms).unwrap_or(0);
+    let request = retry::request(
+        &caller,
+        req.request_id,
+        "seat_acquire",
+        pool.as_str(),
+        serde_json::json!({ "session_id": id.to_string(), "metadata": metadata }),
+    )?;
     let _slot = wait_slot(&app, &caller, wait_ms, "pool", &pool)?;
-    let granted = app
-        .engine
-        .acquire_seat(id, pool.clone(), metadata, wait_ms)
-        .await?;
+    let granted = match request {
+        None => {
+            app.engine
+                .acquire_seat(id, pool.clone(), metadata, wait_ms)
+                .await?
+        }
+        Some(request) => {
+            let op = Mutation::AcquireSeat {
+                id,
+                pool: pool.clone(),
+                metadata,
+                wait_ms,
+            };
+            let answer = app.engine.once(request, op).await?;
+            answer.granted().ok_or(BackendError::RequestIdReused)?
+        }
+    };
     Ok(Json(AcquireResponse {
         pool: pool.to_string(),
         seat_token: granted.token.0,
@@ -220,6 +245,7 @@ async fn acquire(
 struct ReleaseRequest {
     session_id: String,
     seat_token: Whole,
+    request_id: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -236,10 +262,24 @@ async fn release(
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     let id = session_id(&req.session_id)?;
     caller.act(id)?;
-    let revision = app
-        .engine
-        .release_seat(id, pool, Token(req.seat_token.0))
-        .await?;
+    let token = Token(req.seat_token.0);
+    let request = retry::request(
+        &caller,
+        req.request_id,
+        "seat_release",
+        pool.as_str(),
+        serde_json::json!({ "session_id": id.to_string(), "seat_token": token.0 }),
+    )?;
+    let revision = match request {
+        None => app.engine.release_seat(id, pool, token).await?,
+        Some(request) => {
+            let op = Mutation::ReleaseSeat { id, pool, token };
+            match app.engine.once(request, op).await? {
+                Answer::Released { revision } => revision,
+                _ => return Err(BackendError::RequestIdReused.into()),
+            }
+        }
+    };
     Ok(Json(ReleaseResponse {
         released: true,
         revision,

@@ -11,7 +11,9 @@
 use serde::{Deserialize, Serialize};
 
 pub use crate::domain::RequestRecord;
-use crate::domain::{JobId, LockKey, NewJob, SessionId, Token, UnixMs};
+use crate::domain::{
+    Finish, JobId, LockKey, NewJob, PoolName, QueueName, SessionId, Token, UnixMs,
+};
 
 /// The longest `request_id` accepted, in bytes.
 pub const MAX_REQUEST_ID_LEN: usize = 128;
@@ -59,6 +61,32 @@ pub enum Mutation {
         ttl_ms: Option<u64>,
         metadata: Option<String>,
     },
+    /// A job claim, waiting up to `wait_ms`; a replay answers the job first granted.
+    Claim {
+        id: SessionId,
+        queue: QueueName,
+        wait_ms: u64,
+    },
+    /// A seat acquire, answered [`Answer::Granted`] with the seat token.
+    AcquireSeat {
+        id: SessionId,
+        pool: PoolName,
+        metadata: Option<String>,
+        wait_ms: u64,
+    },
+    /// A seat release, answered [`Answer::Released`].
+    ReleaseSeat {
+        id: SessionId,
+        pool: PoolName,
+        token: Token,
+    },
+    /// A job's complete, fail or hand back by its claim.
+    Finish {
+        id: SessionId,
+        job: JobId,
+        token: Token,
+        finish: Finish,
+    },
 }
 
 /// A remembered first answer. Stored as JSON by every backend (`serde_json`), so the
@@ -83,9 +111,78 @@ pub enum Answer {
         expires_at: u64,
         revision: u64,
     },
+    Claimed {
+        job: JobId,
+        token: u64,
+        attempt: u32,
+        recovery_count: u32,
+        kind: String,
+        revision: u64,
+    },
+    Finished {
+        revision: u64,
+    },
+    /// A claim that found no job before its wait ran out. Never remembered: it changed
+    /// nothing, so its retry claims afresh.
+    NoJob,
+}
+
+impl From<crate::backend::Granted> for Answer {
+    fn from(g: crate::backend::Granted) -> Answer {
+        Answer::Granted {
+            token: g.token.0,
+            revision: g.revision,
+        }
+    }
+}
+
+impl From<&crate::backend::Claimed> for Answer {
+    fn from(c: &crate::backend::Claimed) -> Answer {
+        Answer::Claimed {
+            job: c.job,
+            token: c.token.0,
+            attempt: c.attempt,
+            recovery_count: c.recovery_count,
+            kind: c.kind.clone(),
+            revision: c.revision,
+        }
+    }
 }
 
 impl Answer {
+    /// The claim this answer remembers; `None` for any other answer.
+    pub fn claimed(self) -> Option<crate::backend::Claimed> {
+        match self {
+            Answer::Claimed {
+                job,
+                token,
+                attempt,
+                recovery_count,
+                kind,
+                revision,
+            } => Some(crate::backend::Claimed {
+                job,
+                token: Token(token),
+                attempt,
+                recovery_count,
+                kind,
+                revision,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The grant (of a lock or a seat) this answer remembers; `None` for any other answer.
+    pub fn granted(self) -> Option<crate::backend::Granted> {
+        match self {
+            Answer::Granted { token, revision } => Some(crate::backend::Granted {
+                token: Token(token),
+                revision,
+            }),
+            _ => None,
+        }
+    }
+
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("an answer always serializes")
     }
@@ -184,6 +281,15 @@ mod tests {
                 revision: 3,
             },
             Answer::Released { revision: 9 },
+            Answer::Claimed {
+                job: JobId::random(),
+                token: 5,
+                attempt: 2,
+                recovery_count: 1,
+                kind: "k".into(),
+                revision: 5,
+            },
+            Answer::Finished { revision: 11 },
             Answer::Enqueued {
                 job: JobId::random(),
                 revision: 4,

@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Notify, watch};
 
-use crate::backend::{BackendError, Claimed, Granted};
+use crate::backend::{BackendError, Granted};
 use crate::clock::Clock;
 use crate::domain::{LockKey, Mono, PoolName, QueueName};
 use crate::metrics::Metrics;
@@ -224,16 +224,16 @@ impl Waiting {
 
     /// A claim in its queue's line: the job (its wait observed in `claim_wait_seconds`), or
     /// `None` when the wait ends with nothing to claim.
-    pub async fn claim<F, Fut>(
+    pub async fn claim<T, F, Fut>(
         &self,
         queue: QueueName,
         deadline: Option<Mono>,
         metrics: &Metrics,
         attempt: F,
-    ) -> Result<Option<Claimed>, BackendError>
+    ) -> Result<Option<T>, BackendError>
     where
         F: FnMut(bool) -> Fut,
-        Fut: Future<Output = Result<Step<Claimed, ()>, BackendError>>,
+        Fut: Future<Output = Result<Step<T, ()>, BackendError>>,
     {
         let started = Instant::now();
         match self.run(Resource::Queue(queue), deadline, attempt).await? {

@@ -24,16 +24,17 @@
 //!
 //! # Retries
 //!
-//! Heartbeats, acquires, releases and the close are retried with exponential backoff on
-//! transport errors and `503` answers — each is safe to repeat (an acquire by the session that
-//! already holds the grant returns the same token). A lock acquire or release carries a
-//! `request_id` that its retries repeat, so a retry whose first attempt worked but whose answer
-//! was lost gets that first answer: a late retry of an acquire never takes a lock released
-//! meanwhile, and a release's retry is not answered `not_holder`. The open carries one too and
-//! is retried the same way: a retry answers the session the first attempt opened, and the local
-//! deadline counts from the first send. A heartbeat is retried only until the
-//! local deadline. `404 session_gone` is terminal and never retried. A claim, a complete and a
-//! fail are not retried: repeating one could act twice.
+//! Heartbeats, acquires, releases, claims, job finishes, enqueues and the close are retried
+//! with exponential backoff on transport errors and `503` answers. Every one that changes
+//! something — the open, a lock or seat acquire or release, a claim, a complete, fail or hand
+//! back, an enqueue ([`Client::enqueue`]) — carries a `request_id` that its retries repeat, so
+//! a retry whose first attempt worked but whose answer was lost gets that first answer: a late
+//! retry of an acquire never takes a lock released meanwhile, a release's retry is not answered
+//! `not_holder`, a claim's retry gets the job the first attempt claimed (not a second one), a
+//! complete's retry is not answered `stale_token`, and an enqueue is never duplicated. A retried
+//! open answers the session the first attempt opened, and the local deadline counts from the
+//! first send. A heartbeat is retried only until the local deadline. `404 session_gone` is
+//! terminal and never retried.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -57,10 +58,12 @@
 //! # async fn do_the_work(_token: u64) {}
 //! ```
 
+mod enqueue;
 mod http;
 mod session;
 mod watch;
 
+pub use enqueue::{Enqueued, NewJob};
 pub use http::{Client, ClientError, Reply, TlsFiles, segment};
 pub use session::{
     Backoff, Error, JobGuard, LockGuard, Loss, LossSignal, SeatGuard, Session, SessionBuilder,

@@ -75,7 +75,7 @@ impl Error {
         }
     }
 
-    fn from_reply(r: &Reply) -> Error {
+    pub(super) fn from_reply(r: &Reply) -> Error {
         Error::Api {
             status: r.status.as_u16(),
             code: r.body["error"].as_str().unwrap_or("error").to_string(),
@@ -122,7 +122,7 @@ impl Backoff {
 
 /// A fresh `request_id` for one logical call; only that call's retries send it again, so a
 /// retry after a lost answer gets the first answer back instead of acting twice.
-fn request_id() -> String {
+pub(super) fn request_id() -> String {
     uuid::Uuid::new_v4().to_string()
 }
 
@@ -134,6 +134,28 @@ fn retryable(result: &Result<Reply, ClientError>) -> bool {
         Err(ClientError::Connect { .. } | ClientError::Timeout(_)) => true,
         Err(_) => false,
         Ok(r) => r.status.as_u16() == 503,
+    }
+}
+
+/// Posts `body` to `path`, again on transport errors and `503`s up to `backoff.attempts`
+/// times while `go_on()` holds. Only for calls that are safe to repeat: idempotent ones, or
+/// ones whose `body` carries a `request_id`.
+pub(super) async fn post_retried(
+    client: &Client,
+    backoff: &Backoff,
+    path: &str,
+    body: &Value,
+    go_on: impl Fn() -> bool,
+) -> Result<Reply, ClientError> {
+    let mut attempt = 0;
+    loop {
+        let result = client.post(path, body).await;
+        attempt += 1;
+        if retryable(&result) && attempt < backoff.attempts && go_on() {
+            tokio::time::sleep(backoff.delay(attempt - 1)).await;
+            continue;
+        }
+        return result;
     }
 }
 
@@ -227,25 +249,8 @@ impl Shared {
     /// One call, tried again on transport errors and `503`s up to `backoff.attempts` times.
     /// A `session_gone` answer marks the session lost.
     async fn call(&self, path: &str, body: &Value) -> Result<Reply, Error> {
-        let mut attempt = 0;
-        loop {
-            let result = self.client.post(path, body).await;
-            attempt += 1;
-            if retryable(&result) && attempt < self.backoff.attempts && self.lost().is_none() {
-                tokio::time::sleep(self.backoff.delay(attempt - 1)).await;
-                continue;
-            }
-            let reply = result?;
-            if is_gone(&reply) {
-                self.lose(Loss::Gone);
-            }
-            return Ok(reply);
-        }
-    }
-
-    /// One call, not retried (it could act twice).
-    async fn call_once(&self, path: &str, body: &Value) -> Result<Reply, Error> {
-        let reply = self.client.post(path, body).await?;
+        let go_on = || self.lost().is_none();
+        let reply = post_retried(&self.client, &self.backoff, path, body, go_on).await?;
         if is_gone(&reply) {
             self.lose(Loss::Gone);
         }
@@ -513,22 +518,17 @@ async fn release_loop(
             ),
             Release::Seat { pool, token } => (
                 format!("/v1/pools/{}/release", segment(&pool)),
-                json!({"session_id": id, "seat_token": token}),
+                json!({"session_id": id, "seat_token": token, "request_id": request_id()}),
             ),
             Release::Job { id: job, token } => (
                 format!("/v1/jobs/{}/release", segment(&job)),
-                json!({"session_id": id, "token": token}),
+                json!({"session_id": id, "token": token, "request_id": request_id()}),
             ),
         };
-        for attempt in 0..backoff.attempts {
-            let result = client.post(&path, &body).await;
-            if !retryable(&result) || loss.borrow().is_some() {
-                // `not_holder` or `stale_token`: already given back or taken over; either way
-                // this session no longer holds it.
-                break;
-            }
-            tokio::time::sleep(backoff.delay(attempt)).await;
-        }
+        // Any final answer ends it: `not_holder` or `stale_token` mean already given back or
+        // taken over; either way this session no longer holds it.
+        let go_on = || loss.borrow().is_none();
+        let _ = post_retried(&client, &backoff, &path, &body, go_on).await;
     }
 }
 
@@ -624,8 +624,12 @@ impl Session {
         metadata: Option<Value>,
     ) -> Result<SeatGuard, Error> {
         self.check()?;
-        let body =
-            json!({"session_id": self.shared.id, "wait_ms": millis(wait), "metadata": metadata});
+        let body = json!({
+            "session_id": self.shared.id,
+            "wait_ms": millis(wait),
+            "metadata": metadata,
+            "request_id": request_id(),
+        });
         let r = self
             .shared
             .call(&format!("/v1/pools/{}/acquire", segment(pool)), &body)
@@ -645,13 +649,18 @@ impl Session {
     }
 
     /// Claims the oldest job of `queue`, waiting up to `wait` for one; `None` when none came.
-    /// Not retried on a transport error: a repeated claim could claim a second job.
+    /// Retried under one `request_id`: a retry after a lost answer gets the job the first
+    /// attempt claimed, never a second one.
     pub async fn claim(&self, queue: &str, wait: Duration) -> Result<Option<JobGuard>, Error> {
         self.check()?;
-        let body = json!({"session_id": self.shared.id, "wait_ms": millis(wait)});
+        let body = json!({
+            "session_id": self.shared.id,
+            "wait_ms": millis(wait),
+            "request_id": request_id(),
+        });
         let r = self
             .shared
-            .call_once(&format!("/v1/queues/{}/claim", segment(queue)), &body)
+            .call(&format!("/v1/queues/{}/claim", segment(queue)), &body)
             .await?;
         match r.status.as_u16() {
             204 => Ok(None),
@@ -814,7 +823,11 @@ impl SeatGuard {
     /// Gives the seat back now and waits for the answer.
     pub async fn release(mut self) -> Result<(), Error> {
         self.held = false;
-        let body = json!({"session_id": self.shared.id, "seat_token": self.token});
+        let body = json!({
+            "session_id": self.shared.id,
+            "seat_token": self.token,
+            "request_id": request_id(),
+        });
         let r = self
             .shared
             .call(&format!("/v1/pools/{}/release", segment(&self.pool)), &body)
@@ -873,8 +886,8 @@ impl JobGuard {
         self.kind.as_deref()
     }
 
-    /// Marks the job done with `result`. Not retried: after a lost answer the job may be done,
-    /// and a second try would answer `stale_token`.
+    /// Marks the job done with `result`. Retried under one `request_id`: a retry after a lost
+    /// answer gets the first answer, not `stale_token`.
     pub async fn complete(self, result: Value) -> Result<(), Error> {
         self.finish("complete", json!({"result": result})).await
     }
@@ -893,9 +906,10 @@ impl JobGuard {
         self.held = false;
         body["session_id"] = json!(self.shared.id);
         body["token"] = json!(self.token);
+        body["request_id"] = json!(request_id());
         let r = self
             .shared
-            .call_once(&format!("/v1/jobs/{}/{verb}", segment(&self.id)), &body)
+            .call(&format!("/v1/jobs/{}/{verb}", segment(&self.id)), &body)
             .await?;
         if r.status.is_success() {
             Ok(())

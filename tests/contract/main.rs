@@ -209,6 +209,9 @@ contract! {
         retries_of_a_waiting_acquire_get_its_grant,
         a_request_id_survives_a_restart,
         a_repeated_open_opens_one_session,
+        a_repeated_seat_acquire_and_release_act_once,
+        a_repeated_claim_and_finish_act_once,
+        retries_of_a_waiting_claim_get_its_job,
     }
     watch {
         a_watcher_sees_grace_then_the_expiry_with_each_lock_and_seat_lost with crate::watch::quick,

@@ -346,3 +346,123 @@ pub async fn a_repeated_open_opens_one_session(s: &TestServer) {
     s.open("w", 60_000).await;
     assert_eq!(of_kind(&all_events(s).await, "session_opened").len(), 4);
 }
+
+pub async fn a_repeated_seat_acquire_and_release_act_once(s: &TestServer) {
+    make_pool(s, "cad", 2).await;
+    let a = s.open("a", 60_000).await;
+    let body = json!({"session_id": a, "metadata": {"host": "h1"}, "request_id": "seat-1"});
+    let got = acquire_seat(&s.client, "cad", body.clone()).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    let t = got.body["seat_token"].as_u64().unwrap();
+    let release = json!({"session_id": a, "seat_token": t, "request_id": "seat-rel-1"});
+    let rel = s.post("/v1/pools/cad/release", release.clone()).await;
+    assert_eq!(rel.status, 200, "{}", rel.text);
+
+    // The acquire's late retry takes no seat again; the release's answers as the first did.
+    let again = acquire_seat(&s.client, "cad", body).await;
+    assert_eq!(again.status, 200, "{}", again.text);
+    assert_eq!(again.body, got.body);
+    assert_eq!(pool(s, "cad").await.body["in_use"], 0);
+    let rel_again = s.post("/v1/pools/cad/release", release).await;
+    assert_eq!(rel_again.status, 200, "{}", rel_again.text);
+    assert_eq!(rel_again.body, rel.body);
+    let events = all_events(s).await;
+    assert_eq!(of_kind(&events, "seat_acquired").len(), 1);
+    assert_eq!(of_kind(&events, "seat_released").len(), 1);
+
+    // Another pool, or other metadata, under the id is another call.
+    make_pool(s, "cam", 1).await;
+    for (pool_name, body) in [
+        (
+            "cam",
+            json!({"session_id": a, "metadata": {"host": "h1"}, "request_id": "seat-1"}),
+        ),
+        ("cad", json!({"session_id": a, "request_id": "seat-1"})),
+    ] {
+        let r = acquire_seat(&s.client, pool_name, body).await;
+        assert_eq!(r.status, 409, "{pool_name}: {}", r.text);
+        assert_eq!(r.body["error"], "request_id_reused");
+        assert_eq!(pool(s, pool_name).await.body["in_use"], 0);
+    }
+}
+
+pub async fn a_repeated_claim_and_finish_act_once(s: &TestServer) {
+    let w = s.open("w", 60_000).await;
+    let j1 = enqueue(s, "q", json!({"payload": 1})).await;
+    let j2 = enqueue(s, "q", json!({"payload": 2})).await;
+    let body = json!({"session_id": w, "request_id": "claim-1"});
+    let got = claim_with(&s.client, "q", body.clone()).await;
+    assert_eq!(got.status, 200, "{}", got.text);
+    assert_eq!(got.body["job_id"], j1.as_str());
+    let t = got.body["token"].as_u64().unwrap();
+    let again = claim_with(&s.client, "q", body.clone()).await;
+    assert_eq!(again.status, 200, "{}", again.text);
+    assert_eq!(
+        again.body, got.body,
+        "the retry gets the same job and token"
+    );
+    assert_eq!(counts(s, "q").await, (1, 1, 0, 0));
+
+    let done = json!({"session_id": w, "token": t, "result": {"ok": 1}, "request_id": "done-1"});
+    let first = finish(s, &j1, "complete", done.clone()).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let retry = finish(s, &j1, "complete", done).await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert_eq!(retry.body, first.body);
+    // The claim's late retry takes no second job.
+    assert_eq!(claim_with(&s.client, "q", body).await.body, got.body);
+    assert_eq!(counts(s, "q").await, (1, 0, 1, 0));
+    // The id of the complete, reused to fail the same job, is refused.
+    let reuse = json!({"session_id": w, "token": t, "request_id": "done-1"});
+    let r = finish(s, &j1, "fail", reuse).await;
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(r.body["error"], "request_id_reused");
+
+    // A hand back and a fail, each repeated, act once.
+    let (j, t2) = claim_job(s, "q", &w).await;
+    assert_eq!(j, j2);
+    let back = json!({"session_id": w, "token": t2, "request_id": "back-1"});
+    let b1 = finish(s, &j2, "release", back.clone()).await;
+    assert_eq!(b1.status, 200, "{}", b1.text);
+    assert_eq!(finish(s, &j2, "release", back).await.body, b1.body);
+    assert_eq!(counts(s, "q").await, (1, 0, 1, 0));
+    let (_, t3) = claim_job(s, "q", &w).await;
+    let fail = json!({"session_id": w, "token": t3, "reason": "bad", "request_id": "fail-1"});
+    let f1 = finish(s, &j2, "fail", fail.clone()).await;
+    assert_eq!(f1.status, 200, "{}", f1.text);
+    assert_eq!(finish(s, &j2, "fail", fail).await.body, f1.body);
+    assert_eq!(counts(s, "q").await, (0, 0, 1, 1));
+    let events = all_events(s).await;
+    assert_eq!(of_kind(&events, "job_claimed").len(), 3);
+    assert_eq!(of_kind(&events, "job_completed").len(), 1);
+    assert_eq!(of_kind(&events, "job_released").len(), 1);
+    assert_eq!(of_kind(&events, "job_failed").len(), 1);
+
+    // A claim that found no job changed nothing and is not remembered: its retry claims.
+    let empty = json!({"session_id": w, "request_id": "claim-2"});
+    let none = claim_with(&s.client, "q", empty.clone()).await;
+    assert_eq!(none.status, 204, "{}", none.text);
+    let j3 = enqueue(s, "q", json!({"payload": 3})).await;
+    let later = claim_with(&s.client, "q", empty).await;
+    assert_eq!(later.status, 200, "{}", later.text);
+    assert_eq!(later.body["job_id"], j3.as_str());
+}
+
+pub async fn retries_of_a_waiting_claim_get_its_job(s: &TestServer) {
+    let w = s.open("w", 60_000).await;
+    let body = json!({"session_id": w, "request_id": "claim-w", "wait_ms": 30_000});
+    let first = spawn_post(s, "/v1/queues/q/claim".into(), body.clone());
+    until_waiters(s, 1).await;
+    let retry = spawn_post(s, "/v1/queues/q/claim".into(), body);
+    until_waiters(s, 2).await;
+    let j = enqueue(s, "q", json!({"payload": 1})).await;
+    let j_other = enqueue(s, "q", json!({"payload": 2})).await;
+    // Both are answered with the one job, at once, and the other job stays queued.
+    let (first, retry) = (answer(first).await, answer(retry).await);
+    assert_eq!(first.status, 200, "{}", first.text);
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert_eq!(first.body, retry.body);
+    assert_eq!(first.body["job_id"], j.as_str());
+    assert_eq!(job(s, &j_other).await.body["state"], "queued");
+    assert_eq!(of_kind(&all_events(s).await, "job_claimed").len(), 1);
+}

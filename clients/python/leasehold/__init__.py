@@ -12,11 +12,11 @@
   on an exception.
 - :func:`work`: a worker loop for job leases.
 
-Heartbeats, acquires, releases and the close are retried with backoff on transport errors and
-``503`` answers; ``session_gone`` is terminal and never retried; claims, completes and fails
-are not retried, since a repeat could act twice. Lock acquires and releases, and
-:meth:`Client.enqueue`, send a ``request_id`` that their retries repeat, so a retry after a
-lost answer gets the first answer instead of acting twice.
+Heartbeats, acquires, releases, claims, completes, fails, hand backs, :meth:`Client.enqueue`
+and the close are retried with backoff on transport errors and ``503`` answers;
+``session_gone`` is terminal and never retried. Every one that changes something sends a
+``request_id`` that its retries repeat, so a retry after a lost answer gets the first answer
+instead of acting twice.
 """
 
 from .client import (

@@ -468,11 +468,12 @@ class Session:
 
     # -- calls -----------------------------------------------------------------------------
 
-    def _call(self, path, body, retry=True):
-        """POSTs ``body``; retried on transport errors and 503s when ``retry``. A
-        ``session_gone`` answer marks the session lost and raises :class:`SessionLost`."""
+    def _call(self, path, body):
+        """POSTs ``body``; retried on transport errors and 503s (every call made through here
+        is safe to repeat: its body carries a ``request_id``). A ``session_gone`` answer marks
+        the session lost and raises :class:`SessionLost`."""
         self.check()
-        attempts = self._backoff.attempts if retry else 1
+        attempts = self._backoff.attempts
         for attempt in range(attempts):
             try:
                 status, answer = self.client.post(path, body)
@@ -502,7 +503,7 @@ class Session:
     def seat(self, pool, wait=0.0, metadata=None):
         """Takes a seat of ``pool``, waiting up to ``wait`` seconds; a :class:`SeatGuard`.
         Raises :class:`LeaseholdError` with code ``pool_exhausted`` if none frees up."""
-        body = {"session_id": self.id, "wait_ms": int(wait * 1000)}
+        body = {"session_id": self.id, "wait_ms": int(wait * 1000), "request_id": _request_id()}
         if metadata is not None:
             body["metadata"] = metadata
         status, answer = self._call(f"/v1/pools/{segment(pool)}/acquire", body)
@@ -512,8 +513,10 @@ class Session:
 
     def claim(self, queue, wait=0.0):
         """Claims the oldest job of ``queue``, waiting up to ``wait`` seconds; a :class:`Job`,
-        or ``None`` when none came. Not retried: a repeat could claim a second job."""
-        status, answer = self._call(f"/v1/queues/{segment(queue)}/claim", {"session_id": self.id, "wait_ms": int(wait * 1000)}, retry=False)
+        or ``None`` when none came. Retried under one ``request_id``: a retry after a lost
+        answer gets the job the first attempt claimed, never a second one."""
+        body = {"session_id": self.id, "wait_ms": int(wait * 1000), "request_id": _request_id()}
+        status, answer = self._call(f"/v1/queues/{segment(queue)}/claim", body)
         if status == 204:
             return None
         if status != 200:
@@ -606,7 +609,7 @@ class SeatGuard(_Guard):
         self.pool = pool
 
     def release(self):
-        body = {"session_id": self.session.id, "seat_token": self.token}
+        body = {"session_id": self.session.id, "seat_token": self.token, "request_id": _request_id()}
         self._give_back(f"/v1/pools/{segment(self.pool)}/release", body)
 
 
@@ -625,18 +628,19 @@ class Job(_Guard):
 
     def _finish(self, verb, extra):
         self.held = False
-        body = {"session_id": self.session.id, "token": self.token}
+        body = {"session_id": self.session.id, "token": self.token, "request_id": _request_id()}
         body.update(extra)
-        status, answer = self.session._call(f"/v1/jobs/{segment(self.id)}/{verb}", body, retry=False)
+        status, answer = self.session._call(f"/v1/jobs/{segment(self.id)}/{verb}", body)
         if status != 200:
             raise _error(status, answer)
 
     def complete(self, result=None):
-        """Marks the job done with ``result``. Not retried."""
+        """Marks the job done with ``result``. Retried under one ``request_id``: a retry after
+        a lost answer gets the first answer, not ``stale_token``."""
         self._finish("complete", {"result": result})
 
     def fail(self, reason="failed by worker"):
-        """Marks the job failed for good (a dead letter). Not retried."""
+        """Marks the job failed for good (a dead letter). Retried like :meth:`complete`."""
         self._finish("fail", {"reason": reason[:4096]})
 
     def release(self):

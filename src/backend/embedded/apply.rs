@@ -169,21 +169,37 @@ impl Writer {
                 pool,
                 metadata,
                 deadline,
+                request,
                 reply,
             } => {
                 let deadline = may_wait(deadline);
-                self.acquire_seat(state, waiters, (id, pool, metadata), deadline, reply, at)
+                let Some((request, reply)) = self.replay(request, reply, at, Answer::granted)
+                else {
+                    return;
+                };
+                let seat = (id, pool, metadata);
+                self.acquire_seat(state, waiters, seat, deadline, (reply, request), at)
             }
             Command::ReleaseSeat {
                 id,
                 pool,
                 token,
+                request,
                 reply,
             } => {
+                let Some((request, reply)) = self.replay(request, reply, at, |a| match a {
+                    Answer::Released { revision } => Some(revision),
+                    _ => None,
+                }) else {
+                    return;
+                };
                 let r = state
-                    .release_seat(id, &pool, token, at, fx)
+                    .release_seat(id, &pool, token, at, &mut self.fx)
                     .map_err(pool_error);
-                pend(pending, reply, r);
+                if let Ok(revision) = r {
+                    self.remember(request, &Answer::Released { revision }, at);
+                }
+                pend(&mut self.pending, reply, r);
             }
             Command::Enqueue {
                 id,
@@ -210,32 +226,55 @@ impl Writer {
                 id,
                 queue,
                 deadline,
+                request,
                 reply,
-            } => match state.claim(id, &queue, at, fx) {
-                Ok(Some(c)) => pend(pending, reply, Ok(Some(claimed(c)))),
-                Ok(None) => match may_wait(deadline) {
-                    Some(d) if d > at.now => {
-                        waiters.push(Resource::Queue(queue), id, d, Want::Claim(reply))
+            } => {
+                let deadline = may_wait(deadline);
+                let Some((request, reply)) =
+                    self.replay(request, reply, at, |a| a.claimed().map(Some))
+                else {
+                    return;
+                };
+                match state.claim(id, &queue, at, &mut self.fx) {
+                    Ok(Some(c)) => {
+                        let c = claimed(c);
+                        self.remember(request, &Answer::from(&c), at);
+                        pend(&mut self.pending, reply, Ok(Some(c)))
                     }
-                    _ => pend(pending, reply, Ok(None)),
-                },
-                Err(_) => pend(pending, reply, Err(BackendError::SessionGone)),
-            },
+                    Ok(None) => match deadline {
+                        Some(d) if d > at.now => {
+                            waiters.push(Resource::Queue(queue), id, d, Want::Claim(reply, request))
+                        }
+                        _ => pend(&mut self.pending, reply, Ok(None)),
+                    },
+                    Err(_) => pend(&mut self.pending, reply, Err(BackendError::SessionGone)),
+                }
+            }
             Command::FinishJob {
                 id,
                 job,
                 token,
                 finish,
+                request,
                 reply,
             } => {
+                let Some((request, reply)) = self.replay(request, reply, at, |a| match a {
+                    Answer::Finished { revision } => Some(revision),
+                    _ => None,
+                }) else {
+                    return;
+                };
                 let failed_by_worker = matches!(finish, Finish::Fail { .. });
                 let r = state
-                    .finish_job(id, job, token, finish, at, fx)
+                    .finish_job(id, job, token, finish, at, &mut self.fx)
                     .map_err(job_error);
                 if failed_by_worker && r.is_ok() {
                     self.tally.jobs_failed.push("worker".into());
                 }
-                pend(pending, reply, r);
+                if let Ok(revision) = r {
+                    self.remember(request, &Answer::Finished { revision }, at);
+                }
+                pend(&mut self.pending, reply, r);
             }
             Command::Requeue { job, reply } => {
                 let r = state.requeue(job, at, fx).map_err(job_error);
@@ -406,7 +445,7 @@ impl Writer {
         waiters: &mut Waiters,
         (id, pool, metadata): (SessionId, PoolName, String),
         deadline: Option<Mono>,
-        reply: Reply<Granted>,
+        (reply, request): (Reply<Granted>, Option<Request>),
         at: At,
     ) {
         let line = Resource::Pool(pool.clone());
@@ -426,9 +465,20 @@ impl Writer {
             state.acquire_seat(id, &pool, metadata.clone(), at, &mut self.fx)
         };
         match result {
-            Ok(g) => pend(&mut self.pending, reply, Ok(granted(g.token, g.revision))),
+            Ok(g) => {
+                let g = granted(g.token, g.revision);
+                self.remember(request, &Answer::from(g), at);
+                pend(&mut self.pending, reply, Ok(g))
+            }
             Err(SeatError::Exhausted { capacity, in_use }) => match deadline {
-                Some(d) if d > at.now => waiters.push(line, id, d, Want::Seat { metadata, reply }),
+                Some(d) if d > at.now => {
+                    let want = Want::Seat {
+                        metadata,
+                        reply,
+                        request,
+                    };
+                    waiters.push(line, id, d, want)
+                }
                 _ => {
                     self.tally.seats_refused += 1;
                     pend(

@@ -75,12 +75,14 @@ pub enum Command {
         pool: PoolName,
         metadata: String,
         deadline: Option<Mono>,
+        request: Option<Request>,
         reply: Reply<Granted>,
     },
     ReleaseSeat {
         id: SessionId,
         pool: PoolName,
         token: Token,
+        request: Option<Request>,
         reply: Reply<u64>,
     },
     Enqueue {
@@ -94,6 +96,7 @@ pub enum Command {
         id: SessionId,
         queue: QueueName,
         deadline: Option<Mono>,
+        request: Option<Request>,
         reply: Reply<Option<Claimed>>,
     },
     FinishJob {
@@ -101,6 +104,7 @@ pub enum Command {
         job: JobId,
         token: Token,
         finish: Finish,
+        request: Option<Request>,
         reply: Reply<u64>,
     },
     Requeue {

@@ -204,6 +204,54 @@ impl Embedded {
                     revision: o.revision,
                 }
             }
+            Mutation::Claim { id, queue, wait_ms } => {
+                match self.claim_once(id, queue, wait_ms, request).await? {
+                    Some(c) => Answer::from(&c),
+                    None => Answer::NoJob,
+                }
+            }
+            Mutation::AcquireSeat {
+                id,
+                pool,
+                metadata,
+                wait_ms,
+            } => {
+                let g = self.seat_once(id, pool, metadata, wait_ms, request).await?;
+                Answer::Granted {
+                    token: g.token.0,
+                    revision: g.revision,
+                }
+            }
+            Mutation::ReleaseSeat { id, pool, token } => {
+                let revision = self
+                    .call(|reply| Command::ReleaseSeat {
+                        id,
+                        pool,
+                        token,
+                        request,
+                        reply,
+                    })
+                    .await?;
+                Answer::Released { revision }
+            }
+            Mutation::Finish {
+                id,
+                job,
+                token,
+                finish,
+            } => {
+                let revision = self
+                    .call(|reply| Command::FinishJob {
+                        id,
+                        job,
+                        token,
+                        finish,
+                        request,
+                        reply,
+                    })
+                    .await?;
+                Answer::Finished { revision }
+            }
         })
     }
 
@@ -257,6 +305,17 @@ impl Embedded {
         metadata: Option<String>,
         wait_ms: u64,
     ) -> Result<Granted, BackendError> {
+        self.seat_once(id, pool, metadata, wait_ms, None).await
+    }
+
+    async fn seat_once(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        metadata: Option<String>,
+        wait_ms: u64,
+        request: Option<Request>,
+    ) -> Result<Granted, BackendError> {
         let started = std::time::Instant::now();
         let deadline = self.wait_deadline(wait_ms);
         let r = self
@@ -265,6 +324,7 @@ impl Embedded {
                 pool,
                 metadata: metadata.unwrap_or_default(),
                 deadline,
+                request,
                 reply,
             })
             .await;
@@ -287,6 +347,7 @@ impl Embedded {
             id,
             pool,
             token,
+            request: None,
             reply,
         })
         .await
@@ -309,6 +370,16 @@ impl Embedded {
         queue: QueueName,
         wait_ms: u64,
     ) -> Result<Option<Claimed>, BackendError> {
+        self.claim_once(id, queue, wait_ms, None).await
+    }
+
+    async fn claim_once(
+        &self,
+        id: SessionId,
+        queue: QueueName,
+        wait_ms: u64,
+        request: Option<Request>,
+    ) -> Result<Option<Claimed>, BackendError> {
         let started = std::time::Instant::now();
         let deadline = self.wait_deadline(wait_ms);
         let r = self
@@ -316,6 +387,7 @@ impl Embedded {
                 id,
                 queue,
                 deadline,
+                request,
                 reply,
             })
             .await;
@@ -340,6 +412,7 @@ impl Embedded {
             job,
             token,
             finish,
+            request: None,
             reply,
         })
         .await

@@ -6,8 +6,8 @@ use super::commands::{claimed, granted, pend};
 use super::errors::{acquire_error, seat_error};
 use super::waiters::{Resource, Waiter, Waiters, Want};
 use super::writer::Writer;
-use crate::backend::requests::{Answer, Request};
-use crate::backend::{BackendError, Granted};
+use crate::backend::BackendError;
+use crate::backend::requests::{Answer, Request, RequestCheck};
 use crate::domain::{AcquireError, At, SeatError, State};
 
 impl Writer {
@@ -72,6 +72,9 @@ impl Writer {
                 deadline,
                 want,
             } = w;
+            let Some(want) = self.settled(want, at) else {
+                continue;
+            };
             let fx = &mut self.fx;
             match (&resource, want) {
                 (Resource::Lock(key), Want::Lock(reply, request)) => {
@@ -83,10 +86,7 @@ impl Writer {
                                 revision: a.revision,
                             };
                             let g = granted(a.token, a.revision);
-                            if let Some(r) = &request {
-                                self.answer_retries(waiters, &resource, r, g);
-                            }
-                            self.remember(request, &answer, at);
+                            self.remember_served(waiters, &resource, request, &answer, at);
                             pend(&mut self.pending, reply, Ok(g));
                         }
                         Err(AcquireError::Held { .. }) => {
@@ -104,27 +104,51 @@ impl Writer {
                         Err(e) => pend(&mut self.pending, reply, Err(acquire_error(e))),
                     }
                 }
-                (Resource::Pool(pool), Want::Seat { metadata, reply }) => {
-                    match state.acquire_seat(session, pool, metadata.clone(), at, fx) {
-                        Ok(g) => pend(&mut self.pending, reply, Ok(granted(g.token, g.revision))),
-                        Err(SeatError::Exhausted { .. }) => {
-                            waiters.push_front(
-                                resource.clone(),
-                                Waiter {
-                                    id,
-                                    session,
-                                    deadline,
-                                    want: Want::Seat { metadata, reply },
-                                },
-                            );
-                            return;
-                        }
-                        Err(e) => pend(&mut self.pending, reply, Err(seat_error(e))),
+                (
+                    Resource::Pool(pool),
+                    Want::Seat {
+                        metadata,
+                        reply,
+                        request,
+                    },
+                ) => match state.acquire_seat(session, pool, metadata.clone(), at, fx) {
+                    Ok(g) => {
+                        let g = granted(g.token, g.revision);
+                        self.remember_served(waiters, &resource, request, &Answer::from(g), at);
+                        pend(&mut self.pending, reply, Ok(g))
                     }
-                }
-                (Resource::Queue(queue), Want::Claim(reply)) => {
+                    Err(SeatError::Exhausted { .. }) => {
+                        let want = Want::Seat {
+                            metadata,
+                            reply,
+                            request,
+                        };
+                        waiters.push_front(
+                            resource.clone(),
+                            Waiter {
+                                id,
+                                session,
+                                deadline,
+                                want,
+                            },
+                        );
+                        return;
+                    }
+                    Err(e) => pend(&mut self.pending, reply, Err(seat_error(e))),
+                },
+                (Resource::Queue(queue), Want::Claim(reply, request)) => {
                     match state.claim(session, queue, at, fx) {
-                        Ok(Some(c)) => pend(&mut self.pending, reply, Ok(Some(claimed(c)))),
+                        Ok(Some(c)) => {
+                            let c = claimed(c);
+                            self.remember_served(
+                                waiters,
+                                &resource,
+                                request,
+                                &Answer::from(&c),
+                                at,
+                            );
+                            pend(&mut self.pending, reply, Ok(Some(c)))
+                        }
                         Ok(None) => {
                             waiters.push_front(
                                 resource.clone(),
@@ -132,7 +156,7 @@ impl Writer {
                                     id,
                                     session,
                                     deadline,
-                                    want: Want::Claim(reply),
+                                    want: Want::Claim(reply, request),
                                 },
                             );
                             return;
@@ -154,41 +178,47 @@ impl Writer {
         self.settle(state, waiters, at);
     }
 
-    /// Retries of a waiting lock request (its request id, sent again while the first still
-    /// waited) are answered with the grant that served the first, instead of waiting on
-    /// behind it for a lock their session now holds. Another call under the same id is
-    /// refused as it would have been on arrival. The rest of the line keeps its order.
-    fn answer_retries(
+    /// Remembers a served waiter's answer, then answers its retries waiting in the line.
+    fn remember_served(
         &mut self,
         waiters: &mut Waiters,
         resource: &Resource,
-        request: &Request,
-        g: Granted,
+        request: Option<Request>,
+        answer: &Answer,
+        at: At,
     ) {
+        let key = request.as_ref().map(|r| r.key.clone());
+        self.remember(request, answer, at);
+        if let Some(key) = key {
+            self.answer_retries(waiters, resource, &key, at);
+        }
+    }
+
+    /// Retries of a waiting request (its request id, sent again while the first still
+    /// waited) are answered with what served the first, the moment it is recorded, instead
+    /// of waiting on behind it. Another call under the same id is refused as it would have
+    /// been on arrival. The rest of the line keeps its order.
+    fn answer_retries(&mut self, waiters: &mut Waiters, resource: &Resource, key: &str, at: At) {
         let mut keep = Vec::new();
         for w in waiters.take_all(resource) {
-            let Waiter {
-                id,
-                session,
-                deadline,
-                want,
-            } = w;
-            match want {
-                Want::Lock(reply, Some(r)) if r.key == request.key => {
-                    let answer = if r.fingerprint == request.fingerprint {
-                        self.tally.replays += 1;
-                        Ok(g)
-                    } else {
-                        Err(BackendError::RequestIdReused)
-                    };
-                    pend(&mut self.pending, reply, answer);
-                }
-                want => keep.push(Waiter {
+            if w.want.request().is_some_and(|r| r.key == key) {
+                let Waiter {
                     id,
                     session,
                     deadline,
                     want,
-                }),
+                } = w;
+                // Recorded just before: settled answers or refuses it.
+                if let Some(want) = self.settled(want, at) {
+                    keep.push(Waiter {
+                        id,
+                        session,
+                        deadline,
+                        want,
+                    });
+                }
+            } else {
+                keep.push(w);
             }
         }
         for w in keep.into_iter().rev() {
@@ -196,17 +226,55 @@ impl Writer {
         }
     }
 
+    /// A waiter whose request id was recorded while it waited (a retry of the same call was
+    /// served first, or another call took the id) is answered from the record, or refused,
+    /// and `None` returned: acting again would claim a second job or answer a second grant.
+    /// Otherwise the want is handed back to act on.
+    fn settled(&mut self, want: Want, at: At) -> Option<Want> {
+        let Some(request) = want.request() else {
+            return Some(want);
+        };
+        let check = self.requests.check(request, at.wall);
+        let answer = match check {
+            RequestCheck::New => return Some(want),
+            RequestCheck::Replay(a) => {
+                self.tally.replays += 1;
+                a
+            }
+            RequestCheck::Reused => {
+                want.fail_later(&mut self.pending, BackendError::RequestIdReused);
+                return None;
+            }
+        };
+        let reused = || BackendError::RequestIdReused;
+        match want {
+            Want::Lock(reply, _) | Want::Seat { reply, .. } => pend(
+                &mut self.pending,
+                reply,
+                answer.granted().ok_or_else(reused),
+            ),
+            Want::Claim(reply, _) => {
+                let c = answer.claimed().map(Some).ok_or_else(reused);
+                pend(&mut self.pending, reply, c)
+            }
+        }
+        None
+    }
+
     /// Answers a waiter whose time ran out: the lock is still held, the pool still full, the
     /// queue still empty — or its session is gone. A session that lapsed while it waited is
     /// ended here, so that "gone" is durable by the time it is said: like every answer of
     /// the batch, it leaves after the commit.
     fn time_out(&mut self, state: &mut State, resource: Resource, w: Waiter, at: At) {
+        let Some(want) = self.settled(w.want, at) else {
+            return;
+        };
         let pending = &mut self.pending;
         if !state.live_or_end_expired(w.session, at, &mut self.fx) {
-            w.want.fail_later(pending, BackendError::SessionGone);
+            want.fail_later(pending, BackendError::SessionGone);
             return;
         }
-        match (resource, w.want) {
+        match (resource, want) {
             (Resource::Pool(pool), want @ Want::Seat { .. }) => {
                 let (capacity, in_use) = state
                     .pool(&pool)
@@ -214,7 +282,7 @@ impl Writer {
                 self.tally.seats_refused += 1;
                 want.fail_later(pending, BackendError::PoolExhausted { capacity, in_use });
             }
-            (_, Want::Claim(reply)) => pend(pending, reply, Ok(None)),
+            (_, Want::Claim(reply, _)) => pend(pending, reply, Ok(None)),
             (_, want) => want.fail_later(pending, BackendError::LockHeld),
         }
     }

@@ -27,16 +27,24 @@ pub enum Want {
     Seat {
         metadata: String,
         reply: Reply<Granted>,
+        request: Option<Request>,
     },
-    Claim(Reply<Option<Claimed>>),
+    Claim(Reply<Option<Claimed>>, Option<Request>),
 }
 
 impl Want {
+    /// The request id the waiting call carried, if any.
+    pub fn request(&self) -> Option<&Request> {
+        match self {
+            Want::Lock(_, r) | Want::Seat { request: r, .. } | Want::Claim(_, r) => r.as_ref(),
+        }
+    }
+
     /// The client stopped waiting (its connection closed).
     pub fn abandoned(&self) -> bool {
         match self {
             Want::Lock(r, _) | Want::Seat { reply: r, .. } => r.is_closed(),
-            Want::Claim(r) => r.is_closed(),
+            Want::Claim(r, _) => r.is_closed(),
         }
     }
 
@@ -44,7 +52,7 @@ impl Want {
     pub fn fail_later(self, pending: &mut Vec<Pending>, e: BackendError) {
         match self {
             Want::Lock(r, _) | Want::Seat { reply: r, .. } => pend(pending, r, Err(e)),
-            Want::Claim(r) => pend(pending, r, Err(e)),
+            Want::Claim(r, _) => pend(pending, r, Err(e)),
         }
     }
 
@@ -55,7 +63,7 @@ impl Want {
             Want::Lock(r, _) | Want::Seat { reply: r, .. } => {
                 let _ = r.send(Err(e));
             }
-            Want::Claim(r) => {
+            Want::Claim(r, _) => {
                 let _ = r.send(Err(e));
             }
         }

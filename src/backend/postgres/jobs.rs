@@ -7,6 +7,7 @@ use uuid::Uuid;
 
 use super::sessions::END_EXPIRED_ONE;
 use super::{Fail, Postgres, transact};
+use crate::backend::requests::{Answer, Request};
 use crate::backend::waiting::{Resource, Step};
 use crate::backend::{BackendError, Claimed, JobPage, QueueInfo, Result};
 use crate::domain::{
@@ -149,6 +150,8 @@ enum Finished {
     Done(u64, String),
     NotFound,
     Stale,
+    /// The first answer of a call with the same request id.
+    Replay(Answer),
 }
 
 impl Postgres {
@@ -183,28 +186,55 @@ impl Postgres {
         queue: QueueName,
         wait_ms: u64,
     ) -> Result<Option<Claimed>> {
+        self.claim_once(id, queue, wait_ms, None).await
+    }
+
+    /// A claim, with a request id if `request` is given: a replay answers the job first
+    /// claimed, and is not counted again.
+    pub(super) async fn claim_once(
+        &self,
+        id: SessionId,
+        queue: QueueName,
+        wait_ms: u64,
+        request: Option<&Request>,
+    ) -> Result<Option<Claimed>> {
         let deadline = self.wait_deadline(wait_ms);
         let claimed = self
             .waiting()
             .claim(queue.clone(), deadline, &self.inner.metrics, |may_take| {
-                self.try_claim(id, &queue, may_take)
+                self.try_claim(id, &queue, may_take, request)
             })
             .await?;
-        if claimed.is_some() {
-            self.gauge_queue(queue.as_str(), "queued", -1);
-            self.gauge_queue(queue.as_str(), "claimed", 1);
-        }
-        Ok(claimed)
+        Ok(match claimed {
+            Some((c, false)) => {
+                self.gauge_queue(queue.as_str(), "queued", -1);
+                self.gauge_queue(queue.as_str(), "claimed", 1);
+                Some(c)
+            }
+            Some((c, true)) => {
+                self.inner.metrics.request_id_replays.inc();
+                Some(c)
+            }
+            None => None,
+        })
     }
 
+    /// One claim attempt; a claim found in the request id's record is `(claim, true)`.
     async fn try_claim(
         &self,
         id: SessionId,
         queue: &QueueName,
         may_take: bool,
-    ) -> Result<Step<Claimed, ()>> {
-        let claimed = transact!(self, |tx, after| {
-            match self.q_one(&tx, LIVE_SHARE, &[&id.0]).await? {
+        request: Option<&Request>,
+    ) -> Result<Step<(Claimed, bool), ()>> {
+        let (claimed, replay) = transact!(self, |tx, after| {
+            let replay = self.begin_request(&tx, request).await?;
+            let live = match replay {
+                Some(_) => None,
+                None => self.q_one(&tx, LIVE_SHARE, &[&id.0]).await?,
+            };
+            let claimed = match live {
+                _ if replay.is_some() => Ok(Ok(None)),
                 None => Err(BackendError::SessionGone),
                 Some(r) if !r.get::<_, bool>(0) => {
                     self.end_in(&tx, &mut after, &END_EXPIRED_ONE, &[&id.0])
@@ -229,10 +259,22 @@ impl Postgres {
                             revision: token,
                         }
                     }))),
+            };
+            if replay.is_none() {
+                let answer = match &claimed {
+                    Ok(Ok(Some(c))) => Some(Answer::from(c)),
+                    _ => None,
+                };
+                self.settle_request(&tx, request, answer.as_ref()).await?;
             }
-        })??;
-        Ok(match claimed {
-            Ok(Some(c)) => Step::Done(c),
+            (claimed, replay)
+        })?;
+        if let Some(a) = replay {
+            let c = a.claimed().ok_or(BackendError::RequestIdReused)?;
+            return Ok(Step::Done((c, true)));
+        }
+        Ok(match claimed? {
+            Ok(Some(c)) => Step::Done((c, false)),
             Ok(None) | Err(false) => Step::Busy(()),
             // Jobs are there, but others wait ahead of the caller.
             Err(true) => Step::Room(()),
@@ -249,6 +291,19 @@ impl Postgres {
         token: Token,
         finish: Finish,
     ) -> Result<u64> {
+        self.finish_once(id, job, token, finish, None).await
+    }
+
+    /// A finish, with a request id if `request` is given: a replay answers the first
+    /// revision, and is not counted again.
+    pub(super) async fn finish_once(
+        &self,
+        id: SessionId,
+        job: JobId,
+        token: Token,
+        finish: Finish,
+        request: Option<&Request>,
+    ) -> Result<u64> {
         finish.check()?;
         let (status, result, reason, kind) = match &finish {
             Finish::Complete { result } => (
@@ -261,7 +316,10 @@ impl Postgres {
             Finish::Release => ("queued", None, None, "job_released"),
         };
         let outcome = transact!(self, |tx, after| {
-            if self.q_one(&tx, JOB_EXISTS, &[&job.0]).await?.is_none() {
+            let replay = self.begin_request(&tx, request).await?;
+            let outcome = if let Some(a) = replay {
+                Finished::Replay(a)
+            } else if self.q_one(&tx, JOB_EXISTS, &[&job.0]).await?.is_none() {
                 Finished::NotFound
             } else {
                 // The session row before the job row: the order the end statement takes them.
@@ -300,9 +358,27 @@ impl Postgres {
                     let queue = current.map(|r| r.get::<_, String>(3)).unwrap_or_default();
                     Finished::Done(row.get::<_, i64>(0) as u64, queue)
                 }
+            };
+            match &outcome {
+                Finished::Replay(_) => {}
+                Finished::Done(revision, _) => {
+                    let a = Answer::Finished {
+                        revision: *revision,
+                    };
+                    self.settle_request(&tx, request, Some(&a)).await?;
+                }
+                Finished::NotFound | Finished::Stale => {
+                    self.settle_request(&tx, request, None).await?;
+                }
             }
+            outcome
         })?;
         match outcome {
+            Finished::Replay(Answer::Finished { revision }) => {
+                self.inner.metrics.request_id_replays.inc();
+                Ok(revision)
+            }
+            Finished::Replay(_) => Err(BackendError::RequestIdReused),
             Finished::NotFound => Err(BackendError::JobNotFound),
             Finished::Stale => Err(BackendError::StaleToken),
             Finished::Done(revision, queue) => {

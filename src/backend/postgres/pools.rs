@@ -6,6 +6,7 @@ use uuid::Uuid;
 
 use super::sessions::{END_EXPIRED_ONE, END_EXPIRED_SEAT_HOLDERS};
 use super::{Fail, Postgres, transact};
+use crate::backend::requests::{Answer, Request};
 use crate::backend::waiting::{Resource, Step};
 use crate::backend::{BackendError, Granted, PoolInfo, Result, SeatHolder};
 use crate::domain::pools::MAX_CAPACITY;
@@ -117,6 +118,8 @@ enum Seat {
         in_use: usize,
     },
     Granted(Token),
+    /// The first answer of a call with the same request id.
+    Replay(Answer),
 }
 
 impl Postgres {
@@ -225,6 +228,19 @@ impl Postgres {
         metadata: Option<String>,
         wait_ms: u64,
     ) -> Result<Granted> {
+        self.seat_once(id, pool, metadata, wait_ms, None).await
+    }
+
+    /// A seat acquire, with a request id if `request` is given: a replay answers the
+    /// first grant, and is not counted again.
+    pub(super) async fn seat_once(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        metadata: Option<String>,
+        wait_ms: u64,
+        request: Option<&Request>,
+    ) -> Result<Granted> {
         let metadata = metadata.filter(|m| !m.is_empty());
         if let Some(m) = &metadata {
             self.config().limits.metadata(m)?;
@@ -232,7 +248,7 @@ impl Postgres {
         let deadline = self.wait_deadline(wait_ms);
         self.waiting()
             .seat(pool.clone(), deadline, &self.inner.metrics, |may_take| {
-                self.try_seat(id, &pool, &metadata, may_take)
+                self.try_seat(id, &pool, &metadata, may_take, request)
             })
             .await
     }
@@ -243,9 +259,16 @@ impl Postgres {
         pool: &PoolName,
         metadata: &Option<String>,
         may_take: bool,
+        request: Option<&Request>,
     ) -> Result<Step<Granted, (u32, usize)>> {
         let outcome = transact!(self, |tx, after| {
-            match self.q_one(&tx, POOL_FOR_UPDATE, &[&pool.as_str()]).await? {
+            let replay = self.begin_request(&tx, request).await?;
+            let existing = match replay {
+                Some(_) => None,
+                None => self.q_one(&tx, POOL_FOR_UPDATE, &[&pool.as_str()]).await?,
+            };
+            let seat = match existing {
+                _ if let Some(a) = &replay => Seat::Replay(a.clone()),
                 None => Seat::NoPool,
                 Some(p) => {
                     let capacity = p.get::<_, i32>(0) as u32;
@@ -298,9 +321,29 @@ impl Postgres {
                         }
                     }
                 }
+            };
+            let answer = match &seat {
+                Seat::Replay(_) => None,
+                Seat::Own(token, revision) => Some(Answer::Granted {
+                    token: token.0,
+                    revision: *revision,
+                }),
+                Seat::Granted(token) => Some(Answer::Granted {
+                    token: token.0,
+                    revision: token.0,
+                }),
+                _ => None,
+            };
+            if replay.is_none() {
+                self.settle_request(&tx, request, answer.as_ref()).await?;
             }
+            seat
         })?;
         Ok(match outcome {
+            Seat::Replay(a) => {
+                self.inner.metrics.request_id_replays.inc();
+                Step::Done(a.granted().ok_or(BackendError::RequestIdReused)?)
+            }
             Seat::NoPool => return Err(BackendError::PoolNotFound),
             Seat::Gone => return Err(BackendError::SessionGone),
             Seat::Own(token, revision) => Step::Done(Granted { token, revision }),
@@ -324,22 +367,74 @@ impl Postgres {
                 false,
             )
             .await?;
-        if let Some(row) = rows.first() {
-            self.gauge_seats(pool.as_str(), -1);
-            let freed = Resource::Pool(pool);
-            self.announce(std::slice::from_ref(&freed), false);
-            self.waiting().wake(&freed);
-            return Ok(row.get::<_, i64>(0) as u64);
+        match rows.first() {
+            Some(row) => Ok(self.seat_released(pool, row.get::<_, i64>(0) as u64)),
+            None => Err(self.seat_not_released(id, &pool).await?),
         }
+    }
+
+    /// A seat release with a request id: the release statement and the record in one
+    /// transaction; a replay answers the first revision.
+    pub(super) async fn release_seat_once(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        token: Token,
+        request: &Request,
+    ) -> Result<u64> {
+        let done = transact!(self, |tx, _after| {
+            match self.begin_request(&tx, Some(request)).await? {
+                Some(a) => (a, false),
+                None => {
+                    let row = self
+                        .q_one(
+                            &tx,
+                            RELEASE_SEAT,
+                            &[&pool.as_str(), &id.0, &(token.0 as i64)],
+                        )
+                        .await?
+                        .ok_or(Fail::Answer(BackendError::NotHolder))?;
+                    let a = Answer::Released {
+                        revision: row.get::<_, i64>(0) as u64,
+                    };
+                    self.settle_request(&tx, Some(request), Some(&a)).await?;
+                    (a, true)
+                }
+            }
+        });
+        match done {
+            Ok((Answer::Released { revision }, true)) => Ok(self.seat_released(pool, revision)),
+            Ok((Answer::Released { revision }, false)) => {
+                self.inner.metrics.request_id_replays.inc();
+                Ok(revision)
+            }
+            Ok(_) => Err(BackendError::RequestIdReused),
+            Err(BackendError::NotHolder) => Err(self.seat_not_released(id, &pool).await?),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// After a committed seat release: the gauge, and the pool's waiters woken.
+    fn seat_released(&self, pool: PoolName, revision: u64) -> u64 {
+        self.gauge_seats(pool.as_str(), -1);
+        let freed = Resource::Pool(pool);
+        self.announce(std::slice::from_ref(&freed), false);
+        self.waiting().wake(&freed);
+        revision
+    }
+
+    /// Why a release removed no seat: no such pool, the caller gone (ended here if past its
+    /// deadline), or not its seat.
+    async fn seat_not_released(&self, id: SessionId, pool: &PoolName) -> Result<BackendError> {
         if self
             .query_opt(POOL_EXISTS, &[&pool.as_str()], true)
             .await?
             .is_none()
         {
-            return Err(BackendError::PoolNotFound);
+            return Ok(BackendError::PoolNotFound);
         }
         self.live_or_end(id).await?;
-        Err(BackendError::NotHolder)
+        Ok(BackendError::NotHolder)
     }
 
     /// A pool with its holders and their liveness on the database clock.

@@ -96,6 +96,40 @@ impl Postgres {
         Ok(())
     }
 
+    /// For a call that may carry a request id: claims it in `tx` and returns the answer
+    /// to replay, if any. `None` means act, then [`Postgres::settle_request`].
+    pub(super) async fn begin_request(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        request: Option<&Request>,
+    ) -> std::result::Result<Option<Answer>, Fail> {
+        Ok(match request {
+            Some(r) => match self.claim_request(tx, r).await? {
+                Claim::Replay(a) => Some(a),
+                Claim::Mine => None,
+            },
+            None => None,
+        })
+    }
+
+    /// Ends what [`Postgres::begin_request`] began: writes `answer` into the claimed row,
+    /// or, when the attempt did not act (`None`), gives the claim back.
+    pub(super) async fn settle_request(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        request: Option<&Request>,
+        answer: Option<&Answer>,
+    ) -> std::result::Result<(), Fail> {
+        match (request, answer) {
+            (None, _) => {}
+            (Some(r), Some(a)) => self.answer_request(tx, r, a).await?,
+            (Some(r), None) => {
+                self.q(tx, UNCLAIM, &[&r.key]).await?;
+            }
+        }
+        Ok(())
+    }
+
     pub async fn once(&self, request: Request, op: Mutation) -> Result<Answer> {
         match op {
             Mutation::Acquire { id, key, wait_ms } => {
@@ -234,6 +268,37 @@ impl Postgres {
                     self.inner.metrics.request_id_replays.inc();
                 }
                 Ok(answer)
+            }
+            Mutation::Claim { id, queue, wait_ms } => Ok(
+                match self.claim_once(id, queue, wait_ms, Some(&request)).await? {
+                    Some(c) => Answer::from(&c),
+                    None => Answer::NoJob,
+                },
+            ),
+            Mutation::AcquireSeat {
+                id,
+                pool,
+                metadata,
+                wait_ms,
+            } => {
+                let r = Some(&request);
+                Ok(Answer::from(
+                    self.seat_once(id, pool, metadata, wait_ms, r).await?,
+                ))
+            }
+            Mutation::ReleaseSeat { id, pool, token } => {
+                let revision = self.release_seat_once(id, pool, token, &request).await?;
+                Ok(Answer::Released { revision })
+            }
+            Mutation::Finish {
+                id,
+                job,
+                token,
+                finish,
+            } => {
+                let r = Some(&request);
+                let revision = self.finish_once(id, job, token, finish, r).await?;
+                Ok(Answer::Finished { revision })
             }
         }
     }

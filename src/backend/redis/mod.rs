@@ -1422,39 +1422,11 @@ impl Backend for Redis {
         metadata: Option<String>,
         wait_ms: u64,
     ) -> Result<Granted> {
-        let metadata = metadata.filter(|m| !m.is_empty());
-        if let Some(m) = &metadata {
-            self.inner.config.limits.metadata(m)?;
-        }
-        let metadata = metadata.unwrap_or_default();
-        let deadline = self.wait_deadline(wait_ms);
-        self.inner
-            .waiting
-            .seat(pool.clone(), deadline, &self.inner.metrics, |may_take| {
-                self.try_seat(id, &pool, &metadata, may_take)
-            })
-            .await
+        self.seat_once(id, pool, metadata, wait_ms, None).await
     }
 
     async fn release_seat(&self, id: SessionId, pool: PoolName, token: Token) -> Result<u64> {
-        #[derive(Deserialize)]
-        struct Released {
-            #[serde(flatten)]
-            base: Base,
-            revision: Option<u64>,
-        }
-        let r: Released = self
-            .call("release_seat", args![id.0, pool.as_str(), token.0])
-            .await?;
-        self.after(r.base.ended.as_ref(), &[]);
-        match r.revision {
-            Some(rev) => {
-                self.gauge_seats(pool.as_str(), -1);
-                self.after(None, &[Resource::Pool(pool)]);
-                Ok(rev)
-            }
-            None => Err(gone_or(&r.base)),
-        }
+        self.release_seat_once(id, pool, token, None).await
     }
 
     async fn enqueue(&self, job: NewJob) -> Result<(JobId, u64)> {
@@ -1488,19 +1460,7 @@ impl Backend for Redis {
         queue: QueueName,
         wait_ms: u64,
     ) -> Result<Option<Claimed>> {
-        let deadline = self.wait_deadline(wait_ms);
-        let claimed = self
-            .inner
-            .waiting
-            .claim(queue.clone(), deadline, &self.inner.metrics, |may_take| {
-                self.try_claim(id, &queue, may_take)
-            })
-            .await?;
-        if claimed.is_some() {
-            self.gauge_queue(queue.as_str(), "queued", -1);
-            self.gauge_queue(queue.as_str(), "claimed", 1);
-        }
-        Ok(claimed)
+        self.claim_once(id, queue, wait_ms, None).await
     }
 
     async fn finish_job(
@@ -1510,47 +1470,7 @@ impl Backend for Redis {
         token: Token,
         finish: Finish,
     ) -> Result<u64> {
-        finish.check()?;
-        let (status, result, reason, kind) = match &finish {
-            Finish::Complete { result } => ("done", result.as_str(), "", "job_completed"),
-            Finish::Fail { reason } => ("failed", "", reason.as_str(), "job_failed"),
-            Finish::Release => ("queued", "", "", "job_released"),
-        };
-        #[derive(Deserialize)]
-        struct Finished {
-            #[serde(flatten)]
-            base: Base,
-            revision: Option<u64>,
-            queue: Option<String>,
-        }
-        let f: Finished = self
-            .call(
-                "finish",
-                args![id.0, job.0, token.0, status, result, reason, kind],
-            )
-            .await?;
-        self.after(f.base.ended.as_ref(), &[]);
-        let Some(revision) = f.revision else {
-            return Err(gone_or(&f.base));
-        };
-        let queue = f.queue.unwrap_or_default();
-        self.gauge_queue(&queue, "claimed", -1);
-        self.gauge_queue(&queue, status, 1);
-        if status == "failed" {
-            self.inner
-                .metrics
-                .jobs_failed
-                .get_or_create(&ReasonLabel {
-                    reason: "worker".into(),
-                })
-                .inc();
-        }
-        if status == "queued"
-            && let Ok(q) = QueueName::parse("queue", &queue)
-        {
-            self.after(None, &[Resource::Queue(q)]);
-        }
-        Ok(revision)
+        self.finish_once(id, job, token, finish, None).await
     }
 
     async fn once(&self, request: Request, op: Mutation) -> Result<Answer> {
@@ -1696,6 +1616,38 @@ impl Backend for Redis {
                     expires_at,
                     revision,
                 })
+            }
+            Mutation::Claim { id, queue, wait_ms } => Ok(
+                match self.claim_once(id, queue, wait_ms, Some(&request)).await? {
+                    Some(c) => Answer::from(&c),
+                    None => Answer::NoJob,
+                },
+            ),
+            Mutation::AcquireSeat {
+                id,
+                pool,
+                metadata,
+                wait_ms,
+            } => {
+                let r = Some(&request);
+                Ok(Answer::from(
+                    self.seat_once(id, pool, metadata, wait_ms, r).await?,
+                ))
+            }
+            Mutation::ReleaseSeat { id, pool, token } => {
+                let r = Some(&request);
+                let revision = self.release_seat_once(id, pool, token, r).await?;
+                Ok(Answer::Released { revision })
+            }
+            Mutation::Finish {
+                id,
+                job,
+                token,
+                finish,
+            } => {
+                let r = Some(&request);
+                let revision = self.finish_once(id, job, token, finish, r).await?;
+                Ok(Answer::Finished { revision })
             }
         }
     }
@@ -1919,6 +1871,153 @@ impl Backend for Redis {
     }
 }
 
+/// The seat, claim and finish calls, with or without a request id (see `with_request`): a
+/// replayed answer says so, and what it did is not counted again.
+impl Redis {
+    async fn seat_once(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        metadata: Option<String>,
+        wait_ms: u64,
+        request: Option<&Request>,
+    ) -> Result<Granted> {
+        let metadata = metadata.filter(|m| !m.is_empty());
+        if let Some(m) = &metadata {
+            self.inner.config.limits.metadata(m)?;
+        }
+        let metadata = metadata.unwrap_or_default();
+        let deadline = self.wait_deadline(wait_ms);
+        self.inner
+            .waiting
+            .seat(pool.clone(), deadline, &self.inner.metrics, |may_take| {
+                self.try_seat(id, &pool, &metadata, may_take, request)
+            })
+            .await
+    }
+
+    async fn release_seat_once(
+        &self,
+        id: SessionId,
+        pool: PoolName,
+        token: Token,
+        request: Option<&Request>,
+    ) -> Result<u64> {
+        #[derive(Deserialize)]
+        struct Released {
+            #[serde(flatten)]
+            base: Base,
+            revision: Option<u64>,
+            #[serde(default)]
+            replayed: bool,
+        }
+        let (op, args) = self.with_request(
+            "release_seat",
+            args![id.0, pool.as_str(), token.0],
+            request,
+            "revision",
+        );
+        let r: Released = self.call(&op, args).await?;
+        self.after(r.base.ended.as_ref(), &[]);
+        match r.revision {
+            Some(rev) if r.replayed => {
+                self.inner.metrics.request_id_replays.inc();
+                Ok(rev)
+            }
+            Some(rev) => {
+                self.gauge_seats(pool.as_str(), -1);
+                self.after(None, &[Resource::Pool(pool)]);
+                Ok(rev)
+            }
+            None => Err(gone_or(&r.base)),
+        }
+    }
+
+    async fn claim_once(
+        &self,
+        id: SessionId,
+        queue: QueueName,
+        wait_ms: u64,
+        request: Option<&Request>,
+    ) -> Result<Option<Claimed>> {
+        let deadline = self.wait_deadline(wait_ms);
+        let claimed = self
+            .inner
+            .waiting
+            .claim(queue.clone(), deadline, &self.inner.metrics, |may_take| {
+                self.try_claim(id, &queue, may_take, request)
+            })
+            .await?;
+        Ok(match claimed {
+            Some((c, false)) => {
+                self.gauge_queue(queue.as_str(), "queued", -1);
+                self.gauge_queue(queue.as_str(), "claimed", 1);
+                Some(c)
+            }
+            Some((c, true)) => Some(c),
+            None => None,
+        })
+    }
+
+    async fn finish_once(
+        &self,
+        id: SessionId,
+        job: JobId,
+        token: Token,
+        finish: Finish,
+        request: Option<&Request>,
+    ) -> Result<u64> {
+        finish.check()?;
+        let (status, result, reason, kind) = match &finish {
+            Finish::Complete { result } => ("done", result.as_str(), "", "job_completed"),
+            Finish::Fail { reason } => ("failed", "", reason.as_str(), "job_failed"),
+            Finish::Release => ("queued", "", "", "job_released"),
+        };
+        #[derive(Deserialize)]
+        struct Finished {
+            #[serde(flatten)]
+            base: Base,
+            revision: Option<u64>,
+            queue: Option<String>,
+            #[serde(default)]
+            replayed: bool,
+        }
+        let (op, args) = self.with_request(
+            "finish",
+            args![id.0, job.0, token.0, status, result, reason, kind],
+            request,
+            "revision",
+        );
+        let f: Finished = self.call(&op, args).await?;
+        self.after(f.base.ended.as_ref(), &[]);
+        let Some(revision) = f.revision else {
+            return Err(gone_or(&f.base));
+        };
+        if f.replayed {
+            self.inner.metrics.request_id_replays.inc();
+            return Ok(revision);
+        }
+        let queue = f.queue.unwrap_or_default();
+        self.gauge_queue(&queue, "claimed", -1);
+        self.gauge_queue(&queue, status, 1);
+        if status == "failed" {
+            self.inner
+                .metrics
+                .jobs_failed
+                .get_or_create(&ReasonLabel {
+                    reason: "worker".into(),
+                })
+                .inc();
+        }
+        if status == "queued"
+            && let Ok(q) = QueueName::parse("queue", &queue)
+        {
+            self.after(None, &[Resource::Queue(q)]);
+        }
+        Ok(revision)
+    }
+}
+
 /// One attempt of each waiting operation.
 impl Redis {
     async fn try_acquire(
@@ -1985,6 +2084,7 @@ impl Redis {
         pool: &PoolName,
         metadata: &str,
         may_take: bool,
+        request: Option<&Request>,
     ) -> Result<Step<Granted, (u32, usize)>> {
         #[derive(Deserialize)]
         struct Try {
@@ -1998,25 +2098,32 @@ impl Redis {
             behind: bool,
             cap: Option<u32>,
             granted: Option<u64>,
+            #[serde(default)]
+            replayed: bool,
         }
-        let t: Try = self
-            .call(
-                "seat",
-                args![
-                    id.0,
-                    pool.as_str(),
-                    metadata,
-                    if may_take { "1" } else { "0" }
-                ],
-            )
-            .await?;
+        let (op, args) = self.with_request(
+            "seat",
+            args![
+                id.0,
+                pool.as_str(),
+                metadata,
+                if may_take { "1" } else { "0" }
+            ],
+            request,
+            "granted,own",
+        );
+        let t: Try = self.call(&op, args).await?;
         self.after(t.base.ended.as_ref(), &[]);
         if t.base.err.is_some() {
             return Err(gone_or(&t.base));
         }
         let busy = (t.cap.unwrap_or_default(), t.base.n.unwrap_or_default());
         Ok(if let Some(token) = t.granted {
-            self.gauge_seats(pool.as_str(), 1);
+            if t.replayed {
+                self.inner.metrics.request_id_replays.inc();
+            } else {
+                self.gauge_seats(pool.as_str(), 1);
+            }
             Step::Done(Granted {
                 token: Token(token),
                 revision: token,
@@ -2040,7 +2147,8 @@ impl Redis {
         id: SessionId,
         queue: &QueueName,
         may_take: bool,
-    ) -> Result<Step<Claimed, ()>> {
+        request: Option<&Request>,
+    ) -> Result<Step<(Claimed, bool), ()>> {
         #[derive(Deserialize)]
         struct Try {
             #[serde(flatten)]
@@ -2054,26 +2162,35 @@ impl Redis {
             attempt: Option<u32>,
             rc: Option<u32>,
             kind: Option<String>,
+            #[serde(default)]
+            replayed: bool,
         }
-        let t: Try = self
-            .call(
-                "claim",
-                args![id.0, queue.as_str(), if may_take { "1" } else { "0" }],
-            )
-            .await?;
+        let (op, args) = self.with_request(
+            "claim",
+            args![id.0, queue.as_str(), if may_take { "1" } else { "0" }],
+            request,
+            "job",
+        );
+        let t: Try = self.call(&op, args).await?;
+        if t.replayed {
+            self.inner.metrics.request_id_replays.inc();
+        }
         self.after(t.base.ended.as_ref(), &[]);
         if t.base.err.is_some() {
             return Err(gone_or(&t.base));
         }
         Ok(match (t.job, t.token) {
-            (Some(job), Some(token)) => Step::Done(Claimed {
-                job: job_id(&job)?,
-                token: Token(token),
-                attempt: t.attempt.unwrap_or_default(),
-                recovery_count: t.rc.unwrap_or_default(),
-                kind: t.kind.unwrap_or_default(),
-                revision: token,
-            }),
+            (Some(job), Some(token)) => {
+                let c = Claimed {
+                    job: job_id(&job)?,
+                    token: Token(token),
+                    attempt: t.attempt.unwrap_or_default(),
+                    recovery_count: t.rc.unwrap_or_default(),
+                    kind: t.kind.unwrap_or_default(),
+                    revision: token,
+                };
+                Step::Done((c, t.replayed))
+            }
             // Jobs are there, but others wait ahead of the caller.
             _ if t.behind => Step::Room(()),
             _ if t.none => Step::Busy(()),
