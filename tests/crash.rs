@@ -1156,31 +1156,36 @@ async fn a_storm_ended_before_kill_9_stays_ended_and_audited_once() {
     let mut all: HashSet<String> = HashSet::new();
     for round in 0..ROUNDS {
         let client = server.client.clone();
+        // A few connections, as the other tests here use.
         let mut tasks = tokio::task::JoinSet::new();
-        for i in 0..DYING {
+        for w in 0..WORKERS {
             let client = client.clone();
             tasks.spawn(async move {
-                let r = post(
-                    &client,
-                    "/v1/sessions",
-                    json!({"owner": "dying", "ttl_ms": 1_000}),
-                )
-                .await;
-                assert_eq!(r.status, 201, "open: {}", r.text);
-                let s = r.body["session_id"].as_str().unwrap().to_string();
-                let key = format!("storm{round}/{i:05}");
-                let r = post(
-                    &client,
-                    &format!("/v1/locks/{}/acquire", segment(&key)),
-                    json!({"session_id": s}),
-                )
-                .await;
-                assert_eq!(r.status, 200, "acquire: {}", r.text);
-                s
+                let mut opened = Vec::new();
+                for i in (w..DYING).step_by(WORKERS) {
+                    let r = post(
+                        &client,
+                        "/v1/sessions",
+                        json!({"owner": "dying", "ttl_ms": 3_000}),
+                    )
+                    .await;
+                    assert_eq!(r.status, 201, "open: {}", r.text);
+                    let s = r.body["session_id"].as_str().unwrap().to_string();
+                    let key = format!("storm{round}/{i:05}");
+                    let r = post(
+                        &client,
+                        &format!("/v1/locks/{}/acquire", segment(&key)),
+                        json!({"session_id": s}),
+                    )
+                    .await;
+                    assert_eq!(r.status, 200, "acquire: {}", r.text);
+                    opened.push(s);
+                }
+                opened
             });
         }
-        while let Some(s) = tasks.join_next().await {
-            all.insert(s.unwrap());
+        while let Some(opened) = tasks.join_next().await {
+            all.extend(opened.unwrap());
         }
         // Until the storm is over: no session of it left.
         let until = Instant::now() + Duration::from_secs(120);
