@@ -135,8 +135,14 @@ struct Server {
 }
 
 impl Server {
-    /// Starts the binary on `dir` on a free port and waits (bounded) until /readyz says 200.
+    /// Starts the binary on `dir` on a free port, with the reaper off, and waits (bounded)
+    /// until /readyz says 200.
     async fn start(dir: &Path, log: &Path) -> Server {
+        Server::start_with(dir, log, &["--reaper-enabled", "false"]).await
+    }
+
+    /// `start`, with `args` as the reaper's settings.
+    async fn start_with(dir: &Path, log: &Path, args: &[&str]) -> Server {
         for _ in 0..20 {
             let port = {
                 let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
@@ -153,7 +159,8 @@ impl Server {
                 .arg(format!("127.0.0.1:{port}"))
                 .arg("--data-dir")
                 .arg(dir)
-                .args(["--reaper-enabled", "false", "--log-level", "info"])
+                .args(args)
+                .args(["--log-level", "info"])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(stderr);
@@ -1131,6 +1138,112 @@ async fn a_gone_answer_is_final_across_kill_9() {
         revived.len()
     );
     assert!(revived.is_empty(), "{}", revived.join("\n"));
+}
+
+/// A storm of expiries worked off by the reaper, then kill -9 the moment every lock is
+/// free: the passes' deferred deletes (the end log) may still be pending. After the restart
+/// every session of the storm is gone and was audited exactly once, in sequence order, every
+/// lock is free, and `leasehold check` accepts the file (its hash chain included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_ended_before_kill_9_stays_ended_and_audited_once() {
+    const DYING: usize = 1_500;
+    const ROUNDS: usize = 2;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let log = tmp.path().join("server.log");
+    let reaper = ["--reaper-enabled", "true", "--reaper-interval-ms", "50"];
+    let mut server = Server::start_with(&dir, &log, &reaper).await;
+    let mut all: HashSet<String> = HashSet::new();
+    for round in 0..ROUNDS {
+        let client = server.client.clone();
+        // A few connections, as the other tests here use.
+        let mut tasks = tokio::task::JoinSet::new();
+        for w in 0..WORKERS {
+            let client = client.clone();
+            tasks.spawn(async move {
+                let mut opened = Vec::new();
+                for i in (w..DYING).step_by(WORKERS) {
+                    let r = post(
+                        &client,
+                        "/v1/sessions",
+                        json!({"owner": "dying", "ttl_ms": 3_000}),
+                    )
+                    .await;
+                    assert_eq!(r.status, 201, "open: {}", r.text);
+                    let s = r.body["session_id"].as_str().unwrap().to_string();
+                    let key = format!("storm{round}/{i:05}");
+                    let r = post(
+                        &client,
+                        &format!("/v1/locks/{}/acquire", segment(&key)),
+                        json!({"session_id": s}),
+                    )
+                    .await;
+                    assert_eq!(r.status, 200, "acquire: {}", r.text);
+                    opened.push(s);
+                }
+                opened
+            });
+        }
+        while let Some(opened) = tasks.join_next().await {
+            all.extend(opened.unwrap());
+        }
+        // Until the storm is over: no session of it left.
+        let until = Instant::now() + Duration::from_secs(120);
+        loop {
+            let r = get(&client, &format!("/v1/locks?prefix=storm{round}/&limit=10")).await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            if r.body["locks"].as_array().unwrap().is_empty() {
+                break;
+            }
+            assert!(Instant::now() < until, "the storm was not worked off");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        server.kill();
+        server = Server::start_with(&dir, &log, &reaper).await;
+    }
+
+    let client = server.client.clone();
+    let mut expired: HashMap<String, usize> = HashMap::new();
+    let mut last_seq = 0;
+    let mut after = 0;
+    loop {
+        let r = get(&client, &format!("/v1/events?after={after}&limit=1000")).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let page = r.body["events"].as_array().unwrap().clone();
+        if page.is_empty() {
+            break;
+        }
+        for e in &page {
+            let seq = e["seq"].as_u64().unwrap();
+            assert!(
+                seq > last_seq,
+                "events out of order: {seq} after {last_seq}"
+            );
+            last_seq = seq;
+            if e["kind"] == "session_expired" {
+                let id = e["session_id"].as_str().unwrap().to_string();
+                *expired.entry(id).or_default() += 1;
+            }
+        }
+        after = last_seq;
+    }
+    let twice: Vec<_> = expired.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "audited more than once: {twice:?}");
+    assert_eq!(expired.len(), all.len());
+    assert!(all.iter().all(|s| expired.contains_key(s)));
+    for s in all.iter().take(100) {
+        let hb = post(&client, &format!("/v1/sessions/{s}/heartbeat"), json!({})).await;
+        assert_eq!(hb.status, 404, "{s} came back: {}", hb.text);
+    }
+    for round in 0..ROUNDS {
+        let r = get(&client, &format!("/v1/locks?prefix=storm{round}/&limit=10")).await;
+        assert!(r.body["locks"].as_array().unwrap().is_empty(), "{}", r.text);
+    }
+    server.kill();
+    let (code, out) = check(&dir);
+    assert_eq!(code, Some(0), "leasehold check failed:\n{out}");
+    assert!(out.contains("sessions: 0\n"), "{out}");
+    assert!(out.contains("locks: 0\n"), "{out}");
 }
 
 /// Seat pools and job leases under kill -9: acknowledged seat grants and job completions

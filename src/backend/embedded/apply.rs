@@ -334,6 +334,8 @@ impl Writer {
             PassSize::AtMost(n) => n,
         };
         let ended = state.reap(at, limit, &mut self.fx);
+        // The rows of the sessions it ended are deleted after the storm (the end log).
+        self.ended.take_from(&mut self.fx.changes, changes_before);
         if let PassSize::Paced = size {
             self.paced = Some(PacedPass {
                 sessions: ended.len(),

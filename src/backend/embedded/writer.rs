@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::commands::{Command, Pending, refuse};
 use super::requests::Requests;
 use super::shared::Shared;
-use super::store::Batch;
+use super::store::{Batch, Ended};
 use super::tallies::Tally;
 use crate::backend::BackendError;
 use crate::backend::pacing::{PassCost, PassSizer};
@@ -47,6 +47,13 @@ pub struct Writer {
     pub storm: bool,
     /// The remembered request ids.
     pub requests: Requests,
+    /// The sessions this batch's reaper passes ended, whose rows go to the end log.
+    pub ended: Ended,
+    /// Sessions in end-log records not yet applied. Zero at start: opening the store
+    /// applies every pending record.
+    pub backlog: usize,
+    /// Sizes the end-log applications that ride batches, like reaper passes.
+    pub applier: PassSizer,
 }
 
 pub fn spawn(
@@ -57,11 +64,13 @@ pub fn spawn(
     std::thread::Builder::new()
         .name("leasehold-writer".into())
         .spawn(move || {
+            let sizer = PassSizer::new(
+                Duration::from_millis(shared.config.reaper_pass_ms),
+                shared.config.reaper_batch,
+            );
             Writer {
-                sizer: PassSizer::new(
-                    Duration::from_millis(shared.config.reaper_pass_ms),
-                    shared.config.reaper_batch,
-                ),
+                applier: sizer.clone(),
+                sizer,
                 shared,
                 fx: Effects::default(),
                 pending: Vec::new(),
@@ -70,6 +79,8 @@ pub fn spawn(
                 paced: None,
                 storm: false,
                 requests,
+                ended: Ended::default(),
+                backlog: 0,
             }
             .run(rx)
         })
@@ -79,9 +90,14 @@ impl Writer {
     fn run(mut self, rx: Receiver<Command>) {
         let mut batch = Vec::with_capacity(self.shared.config.max_batch);
         loop {
-            // Sleep until a request arrives or the next waiter times out.
+            // Sleep until a request arrives or the next waiter times out; with end-log
+            // records to apply and no storm on, apply them now if nobody is waiting.
             let next_timeout = self.shared.waiters.lock().next_deadline();
             let first = match next_timeout {
+                _ if self.applies_ends() => rx.try_recv().map_err(|e| match e {
+                    TryRecvError::Empty => RecvTimeoutError::Timeout,
+                    TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+                }),
                 None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
                 Some(deadline) => {
                     let wait = deadline.since(self.shared.clock.now());
@@ -116,9 +132,16 @@ impl Writer {
         }
     }
 
+    /// Whether the next batch applies end-log records: some are pending and no storm is
+    /// being worked off (its passes come first).
+    fn applies_ends(&self) -> bool {
+        self.backlog > 0 && !self.storm
+    }
+
     fn process(&mut self, batch: &mut Vec<Command>) {
         let count = batch.len();
         if self.shared.store.failed() {
+            self.backlog = 0;
             for cmd in batch.drain(..) {
                 refuse(cmd, BackendError::StoreFailed);
             }
@@ -159,7 +182,12 @@ impl Writer {
             self.trim_events =
                 matches!(shared.store.oldest_event_at(), Ok(Some(at)) if at < cutoff);
         }
-        if !self.fx.changes.is_empty() || self.trim_events {
+        let apply_ended = if self.applies_ends() && self.paced.is_none() {
+            self.applier.next()
+        } else {
+            0
+        };
+        if !self.fx.changes.is_empty() || self.trim_events || apply_ended > 0 {
             let commit_started = Instant::now();
             let result = shared.store.commit(&Batch {
                 changes: &self.fx.changes,
@@ -168,6 +196,8 @@ impl Writer {
                 trim_events: self
                     .trim_events
                     .then_some((cutoff, shared.config.event_trim_batch)),
+                ended: Some(&self.ended),
+                apply_ended,
             });
             let commit_took = commit_started.elapsed();
             let m = &shared.metrics;
@@ -185,16 +215,26 @@ impl Writer {
                         share: pass.changes as f64 / self.fx.changes.len().max(1) as f64,
                     });
                     self.sizer.observe_commit(commit_took, pass);
+                    self.learn_applying(commit_took, done.ends_applied);
+                    self.backlog = if apply_ended > 0 && done.ends_applied == 0 {
+                        // The log was found empty: nothing is pending, whatever was counted.
+                        self.ended.sessions.len()
+                    } else {
+                        (self.backlog + self.ended.sessions.len()).saturating_sub(done.ends_applied)
+                    };
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "commit failed; refusing writes from now on");
                     m.store_failed.set(1);
                     failed = true;
+                    // Nothing more is written, so nothing is applied: the next open does.
+                    self.backlog = 0;
                 }
             }
         }
         self.tally.touched(&self.fx.changes);
         self.fx.clear();
+        self.ended.clear();
         self.trim_events = false;
         // A pass whose batch had nothing to commit (it ended no one) teaches nothing.
         self.paced = None;
@@ -224,5 +264,22 @@ impl Writer {
                 w.want.fail(BackendError::StoreFailed);
             }
         }
+    }
+}
+
+impl Writer {
+    /// Teaches the applier what applying `sessions` deferred ends added to a commit that took
+    /// `took`: a batch that applied none teaches the commit a batch pays anyway. Three deletes
+    /// a session against one write a change of the batch's own.
+    fn learn_applying(&mut self, took: Duration, sessions: usize) {
+        let pass = (sessions > 0).then(|| {
+            let deletes = 3.0 * sessions as f64;
+            PassCost {
+                sessions,
+                domain: Duration::ZERO,
+                share: deletes / (deletes + self.fx.changes.len() as f64),
+            }
+        });
+        self.applier.observe_commit(took, pass);
     }
 }

@@ -141,6 +141,7 @@ impl Store {
             revision,
             event_seq: restore.event_seq + 1,
             trim_events: None,
+            ..Default::default()
         })?;
         let txn = self.db.begin_write().map_err(StoreError::redb)?;
         {
@@ -281,6 +282,7 @@ mod tests {
                 revision: 7,
                 event_seq: 1,
                 trim_events: None,
+                ..Default::default()
             })
             .unwrap();
         let dest = dir.path().join("b.redb");

@@ -1,10 +1,13 @@
 //! The integrity check: every invariant of the stored state, read in one transaction, each
 //! broken one reported in words.
 
+use std::collections::HashSet;
+
 use redb::{ReadTransaction, ReadableTable};
 
 use super::codec;
 use super::db::Store;
+use super::endlog::{self, END_LOG};
 use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
@@ -17,7 +20,9 @@ use crate::domain::{JobId, JobRecord, JobStatus, LockRecord, SeatRecord, Session
 impl Store {
     /// Verifies the store's own invariants: every lock's session exists, the session → grants
     /// index matches the locks, the id and owner indexes match the session rows, every record
-    /// decodes, and the counters are at or above everything they issued.
+    /// decodes, and the counters are at or above everything they issued. Sessions are counted
+    /// as the server sees them: without those a pending end-log record ended, which must
+    /// still have their rows.
     pub fn check(&self) -> Result<CheckReport, StoreError> {
         let txn = self.read()?;
         let mut report = CheckReport::default();
@@ -34,10 +39,26 @@ impl Store {
         let events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
         let last_row = counter(&meta, META_SESSION_ROW)?;
         let problems = &mut report.problems;
+        // Sessions a pending end-log record ended keep their rows until it is applied: they
+        // are checked like any other but not counted.
+        let log = txn.open_table(END_LOG).map_err(StoreError::redb)?;
+        let pending = endlog::pending_sessions(&log).unwrap_or_else(|e| {
+            problems.push(format!("the end log does not read: {e}"));
+            Vec::new()
+        });
+        let pending_sessions: HashSet<u128> = pending.into_iter().collect();
+        // A record and the deletes it names commit together: a pending session has its row.
+        for &id in &pending_sessions {
+            if ids.get(id).map_err(StoreError::redb)?.is_none() {
+                problems.push(format!(
+                    "the end log names session {}, which has no row",
+                    SessionId::from_u128(id)
+                ));
+            }
+        }
 
         for entry in rows.iter().map_err(StoreError::redb)? {
             let (row, bytes) = entry.map_err(StoreError::redb)?;
-            report.sessions += 1;
             let row = row.value();
             if row > last_row {
                 problems.push(format!(
@@ -52,6 +73,7 @@ impl Store {
                 }
             };
             let id = stored.id;
+            report.sessions += u64::from(!pending_sessions.contains(&id.as_u128()));
             if row_of(&ids, id)? != Some(row) {
                 problems.push(format!(
                     "session {id} in row {row} is missing from the id index"
@@ -90,7 +112,6 @@ impl Store {
         }
         for entry in locks.iter().map_err(StoreError::redb)? {
             let (key, bytes) = entry.map_err(StoreError::redb)?;
-            report.locks += 1;
             let key = key.value();
             let rec = match codec::decode::<LockRecord>(bytes.value()) {
                 Ok(rec) => rec,
@@ -99,6 +120,7 @@ impl Store {
                     continue;
                 }
             };
+            report.locks += 1;
             match row_of(&ids, rec.session_id)? {
                 None => problems.push(format!(
                     "lock {key:?} is held by session {} which does not exist",

@@ -9,10 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable};
 
+use super::endlog;
 use super::error::StoreError;
 use super::fault::{FaultSwitch, FaultyBackend};
 use super::migrate;
 use super::tables::{self, META, META_SCHEMA, SCHEMA_VERSION};
+
+/// Sessions per transaction when the pending ends are applied at open.
+const OPEN_APPLY_SESSIONS: usize = 50_000;
 
 /// The file inside the data directory.
 pub const DATA_FILE: &str = "leasehold.redb";
@@ -78,10 +82,11 @@ impl Store {
                 .map(|v| v.value());
             match schema {
                 None | Some(SCHEMA_VERSION) => {}
-                // Its events, all of format 1, read as they are: only the stamp changes.
-                Some(2) => tracing::info!(
+                // Schema 3 lacks only `end_log`, which `create_all` adds; schema 2's events,
+                // all of format 1, read as they are: only the stamp changes.
+                Some(from @ (2 | 3)) => tracing::info!(
                     path = %path.display(),
-                    "data file migrated from schema 2 to {SCHEMA_VERSION}"
+                    "data file migrated from schema {from} to {SCHEMA_VERSION}"
                 ),
                 Some(1) => {
                     drop(meta);
@@ -108,15 +113,43 @@ impl Store {
             tables::create_all(&txn)?;
         }
         txn.commit().map_err(StoreError::redb)?;
-        Ok(Store {
+        let store = Store {
             db,
             path,
             failed: AtomicBool::new(false),
-        })
+        };
+        store.apply_all_ends()?;
+        Ok(store)
+    }
+
+    /// Applies every pending end-log record, so that what is loaded has no ended session
+    /// in it. A crash part-way leaves the unapplied records for the next open.
+    fn apply_all_ends(&self) -> Result<(), StoreError> {
+        let mut applied = 0;
+        loop {
+            let txn = self.db.begin_write().map_err(StoreError::redb)?;
+            let n = endlog::apply(&txn, OPEN_APPLY_SESSIONS)?;
+            if n == 0 {
+                // Nothing was pending: the empty transaction is dropped, not committed.
+                break;
+            }
+            txn.commit().map_err(StoreError::redb)?;
+            applied += n;
+        }
+        if applied > 0 {
+            tracing::info!(sessions = applied, path = %self.path.display(), "applied pending session ends");
+        }
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// How many end-log records are waiting to be applied.
+    pub fn pending_ends(&self) -> Result<u64, StoreError> {
+        let txn = self.read()?;
+        endlog::pending(&txn.open_table(endlog::END_LOG).map_err(StoreError::redb)?)
     }
 
     /// True once a write has failed: readiness is false and every write is refused.

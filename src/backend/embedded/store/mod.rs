@@ -9,6 +9,7 @@
 //! - `load`: the start-up load; `write`: a [`Batch`] in one write transaction; `read`: point
 //!   and range reads; `check`: the integrity check; `migrate`: the versioned migrations of
 //!   older files, run at open;
+//! - `endlog`: the session ends reaper passes deferred, applied in later batches;
 //! - [`codec`]: the file format of records; [`fault`]: fault injection for tests.
 
 pub mod backup;
@@ -16,6 +17,7 @@ mod chain;
 mod check;
 pub mod codec;
 mod db;
+mod endlog;
 mod error;
 pub mod fault;
 mod load;
@@ -28,6 +30,7 @@ mod write;
 
 pub use crate::backend::CheckReport;
 pub use db::{DATA_FILE, Store};
+pub use endlog::Ended;
 pub use error::StoreError;
 pub use tables::ALL as TABLES;
 pub use write::{Batch, Committed};

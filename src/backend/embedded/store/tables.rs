@@ -1,6 +1,7 @@
 //! The table layout of the data file, and the helpers every reader of its rows shares.
 //!
-//! Tables (schema 3; schema 2 had the same tables, with every event in record format 1):
+//! Tables (schema 4; schema 3 had the same without `end_log`, schema 2 also had every event in
+//! record format 1):
 //! - `meta`: the durable counters (`revision`, `event_seq`, `session_row`) and the schema
 //!   version;
 //! - `session_rows`: row number → [`SessionRow`] (the public id and its `SessionRecord`), with
@@ -22,7 +23,9 @@
 //! - `jobs`: job id → `JobRecord`, `job_payloads`: job id → payload (written once), with
 //!   `jobs_by_state` (queue, state, job id) for listing dead letters and `session_jobs`
 //!   (session id, job id) for the claims a session holds;
-//! - `events`: sequence number → `Event`, the audit log.
+//! - `events`: sequence number → `Event`, the audit log;
+//! - `end_log` (schema 4): record number → the session and grant deletes of one reaper pass,
+//!   pending until applied in a later batch ([`super::endlog`]).
 //!
 //! [`ALL`] names every table of the current schema, for whatever must visit them all (the
 //! migration's check, a backup). Schema 1 (release 0.1.0) kept sessions in `sessions`
@@ -85,6 +88,7 @@ pub const ALL: &[&str] = &[
     "session_jobs",
     "event_hashes",
     "request_ids",
+    "end_log",
 ];
 
 pub(super) const META_SCHEMA: &str = "schema";
@@ -95,7 +99,11 @@ pub(super) const META_SESSION_ROW: &str = "session_row";
 /// 3: audit events may be of record format 2 (with `actor`), which a build of schema 2 cannot
 /// read; stamping the file 3 makes such a build refuse it at start instead of failing on its
 /// first event. Nothing is rewritten from 2 to 3.
-pub(super) const SCHEMA_VERSION: u64 = 3;
+/// 4: the `end_log` table of deferred session ends ([`super::endlog`]). A build of schema 3
+/// would load the sessions a pending record ended as live, and end them a second time in
+/// the audit log; stamping the file 4 makes it refuse the file. From 3 the table is only
+/// created.
+pub(super) const SCHEMA_VERSION: u64 = 4;
 
 /// A stored session: its public id travels in the row, which is keyed by row number.
 ///
@@ -149,6 +157,7 @@ pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
     f.table(SESSION_JOBS)?;
     f.table(super::chain::EVENT_HASHES)?;
     f.table(REQUEST_IDS)?;
+    f.table(super::endlog::END_LOG)?;
     Ok(())
 }
 
@@ -171,6 +180,8 @@ pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
     txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
     txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
     txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
+    txn.open_table(super::endlog::END_LOG)
+        .map_err(StoreError::redb)?;
     Ok(())
 }
 

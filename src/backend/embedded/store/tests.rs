@@ -17,6 +17,7 @@ fn commit(store: &Store, state: &State, fx: &mut Effects) {
             revision: state.revision(),
             event_seq: state.event_seq(),
             trim_events: None,
+            ..Default::default()
         })
         .unwrap();
     fx.clear();
@@ -62,6 +63,7 @@ fn check_reports_an_orphan_lock() {
             revision: 3,
             event_seq: 0,
             trim_events: None,
+            ..Default::default()
         })
         .unwrap();
     let report = store.check().unwrap();
@@ -79,6 +81,7 @@ fn the_revision_never_goes_back() {
         revision,
         event_seq: 0,
         trim_events: None,
+        ..Default::default()
     };
     store.commit(&batch(10)).unwrap();
     assert!(matches!(
@@ -119,6 +122,7 @@ fn an_io_failure_fail_stops_and_loses_nothing_committed() {
                 revision: state.revision(),
                 event_seq: state.event_seq(),
                 trim_events: None,
+                ..Default::default()
             })
             .is_err()
     );
@@ -154,6 +158,7 @@ fn old_events_are_trimmed_in_bounded_batches() {
                 revision: state.revision(),
                 event_seq: state.event_seq(),
                 trim_events: Some((at(3_500).wall, limit)),
+                ..Default::default()
             })
             .unwrap()
             .events_trimmed
@@ -387,4 +392,203 @@ fn a_file_newer_than_this_build_is_refused_untouched() {
     let read = db.begin_read().unwrap();
     let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
     assert_eq!(schema.map(|v| v.value()), Some(99));
+}
+
+/// Opens `n` sessions of a 1 s lease, each holding lock `k{i}`, and commits them.
+fn sessions_with_locks(store: &Store, state: &mut State, n: usize) -> Vec<SessionId> {
+    let mut fx = Effects::default();
+    let ids: Vec<SessionId> = (0..n).map(|_| SessionId::random()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        state
+            .open(*id, "a".into(), Some(1_000), String::new(), at(0), &mut fx)
+            .unwrap();
+        let key = LockKey::parse("key", &format!("k{i}")).unwrap();
+        state.acquire(*id, &key, at(0), &mut fx).unwrap();
+    }
+    commit(store, state, &mut fx);
+    ids
+}
+
+/// Reaps every due session at `ms` and commits the pass with its deletes in the end log.
+fn reap_deferred(store: &Store, state: &mut State, ms: u64) -> usize {
+    let mut fx = Effects::default();
+    let ended = state.reap(at(ms), usize::MAX, &mut fx);
+    let mut log = Ended::default();
+    log.take_from(&mut fx.changes, 0);
+    assert_eq!(log.sessions.len(), ended.len());
+    store
+        .commit(&Batch {
+            changes: &fx.changes,
+            revision: state.revision(),
+            event_seq: state.event_seq(),
+            ended: Some(&log),
+            ..Default::default()
+        })
+        .unwrap();
+    ended.len()
+}
+
+/// How many times each session id appears in an end event.
+fn ends_per_session(store: &Store) -> std::collections::HashMap<String, usize> {
+    let mut seen = std::collections::HashMap::new();
+    let events = store.events(0, usize::MAX).unwrap();
+    for pair in events.windows(2) {
+        assert!(pair[0].seq < pair[1].seq, "events out of order");
+    }
+    for e in events {
+        if matches!(e.kind, crate::domain::EventKind::SessionExpired) {
+            *seen.entry(format!("{:?}", e.session_id)).or_default() += 1;
+        }
+    }
+    seen
+}
+
+/// A reaper pass's session deletes wait in the end log: meanwhile `check` holds and the
+/// ended sessions' keys are free (one is granted again); a crash before they are applied
+/// loses nothing, and the next open applies them before the load, so no ended session comes
+/// back and each is audited once.
+#[test]
+fn deferred_ends_check_clean_and_survive_a_crash_applied_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    let ids = sessions_with_locks(&store, &mut state, 50);
+    assert_eq!(reap_deferred(&store, &mut state, 5_000), 50);
+    // A live session takes the first ended session's key before the log is applied.
+    let mut fx = Effects::default();
+    let live = SessionId::random();
+    state
+        .open(
+            live,
+            "b".into(),
+            Some(60_000),
+            String::new(),
+            at(5_001),
+            &mut fx,
+        )
+        .unwrap();
+    let k0 = LockKey::parse("key", "k0").unwrap();
+    state.acquire(live, &k0, at(5_001), &mut fx).unwrap();
+    commit(&store, &state, &mut fx);
+    assert_eq!(store.pending_ends().unwrap(), 1);
+    assert_eq!(store.lock("k0").unwrap().unwrap().session_id, live);
+    assert_eq!(store.lock("k1").unwrap(), None);
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!((report.sessions, report.locks), (1, 1));
+    let ends = ends_per_session(&store);
+    assert_eq!(ends.len(), 50);
+    assert!(ends.values().all(|&n| n == 1), "{ends:?}");
+
+    // The crash: the handle goes without anything more written.
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    assert_eq!(store.pending_ends().unwrap(), 0);
+    let restore = store.load().unwrap();
+    assert_eq!(restore.sessions, vec![(live, 60_000)]);
+    assert_eq!(restore.locks.len(), 1);
+    assert_eq!(restore.locks[0].0, k0);
+    assert_eq!(restore.locks[0].1.session_id, live);
+    for id in &ids {
+        assert!(store.session_locks(*id).unwrap().is_empty());
+    }
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(ends_per_session(&store), ends);
+}
+
+/// Applying in a batch takes whole records, oldest first, until the asked-for count, and
+/// leaves the rest pending.
+#[test]
+fn deferred_ends_apply_in_batches_of_whole_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    sessions_with_locks(&store, &mut state, 10);
+    reap_deferred(&store, &mut state, 5_000);
+    sessions_with_locks(&store, &mut state, 10);
+    reap_deferred(&store, &mut state, 10_000);
+    assert_eq!(store.pending_ends().unwrap(), 2);
+    let apply = |n| {
+        store
+            .commit(&Batch {
+                revision: state.revision(),
+                event_seq: state.event_seq(),
+                apply_ended: n,
+                ..Default::default()
+            })
+            .unwrap()
+            .ends_applied
+    };
+    assert_eq!(apply(1), 10);
+    assert_eq!(store.pending_ends().unwrap(), 1);
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(apply(100), 10);
+    assert_eq!(apply(100), 0);
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!((report.sessions, report.locks), (0, 0));
+    assert!(store.load().unwrap().sessions.is_empty());
+}
+
+/// `check` finds an end-log record whose sessions have no rows.
+#[test]
+fn check_reports_an_end_log_record_without_its_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let stray = Ended {
+        sessions: vec![SessionId::random().as_u128()],
+    };
+    store
+        .commit(&Batch {
+            ended: Some(&stray),
+            ..Default::default()
+        })
+        .unwrap();
+    let report = store.check().unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert!(report.problems[0].contains("end log"));
+}
+
+/// A schema-3 file (no `end_log`) opens at schema 4 with the table created and everything
+/// kept.
+#[test]
+fn a_schema_3_file_migrates_to_4() {
+    use redb::ReadableDatabase;
+
+    use super::tables::{META, META_SCHEMA, SCHEMA_VERSION};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    let ids = sessions_with_locks(&store, &mut state, 3);
+    drop(store);
+    {
+        let db = redb::Database::open(dir.path().join(DATA_FILE)).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert(META_SCHEMA, 3)
+            .unwrap();
+        assert!(txn.delete_table(super::endlog::END_LOG).unwrap());
+        txn.commit().unwrap();
+    }
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    assert_eq!(SCHEMA_VERSION, 4);
+    {
+        let read = store.db.begin_read().unwrap();
+        let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
+        assert_eq!(schema.map(|v| v.value()), Some(4));
+    }
+    assert_eq!(store.pending_ends().unwrap(), 0);
+    let restore = store.load().unwrap();
+    assert_eq!(restore.sessions.len(), 3);
+    assert_eq!(restore.locks.len(), 3);
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    // And a reaper pass on the migrated file defers and applies like on a new one.
+    assert_eq!(reap_deferred(&store, &mut state, 5_000), ids.len());
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    assert!(store.load().unwrap().sessions.is_empty());
 }

@@ -9,16 +9,17 @@ use redb::{ReadableTable, WriteTransaction};
 use super::chain;
 use super::codec;
 use super::db::Store;
+use super::endlog::{self, Ended, SessionTables};
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
-    META_SESSION_ROW, POOLS, REQUEST_IDS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS,
-    SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, SessionRowHead, SessionRowRef,
-    corrupt, counter, row_of,
+    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, META, META_EVENT_SEQ, META_REVISION,
+    META_SESSION_ROW, POOLS, REQUEST_IDS, SEATS, SESSION_JOBS, SESSION_SEATS, SessionRow,
+    SessionRowRef, corrupt, counter, row_of,
 };
 use crate::domain::{Change, JobRecord, JobStatus, UnixMs};
 
 /// One transaction's worth of writes.
+#[derive(Default)]
 pub struct Batch<'a> {
     pub changes: &'a [Change],
     /// The counters as they stand after `changes`.
@@ -26,12 +27,19 @@ pub struct Batch<'a> {
     pub event_seq: u64,
     /// Trim audit events older than this, at most `limit` of them.
     pub trim_events: Option<(UnixMs, usize)>,
+    /// The sessions reaper passes ended, whose rows go to the end log instead of being
+    /// deleted now (see [`super::endlog`]).
+    pub ended: Option<&'a Ended>,
+    /// Apply pending end-log records, whole, until at least this many sessions are applied.
+    pub apply_ended: usize,
 }
 
 /// What a commit did besides the changes themselves.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Committed {
     pub events_trimmed: usize,
+    /// Sessions whose deferred deletes this commit applied.
+    pub ends_applied: usize,
 }
 
 impl Store {
@@ -50,7 +58,15 @@ impl Store {
 
     fn write_batch(&self, batch: &Batch<'_>) -> Result<Committed, StoreError> {
         let txn = self.db.begin_write().map_err(StoreError::redb)?;
-        let committed = apply(&txn, batch)?;
+        let mut committed = apply(&txn, batch)?;
+        // After the batch's own changes: a record is applied no sooner than the commit
+        // after the one that appended it.
+        if batch.apply_ended > 0 {
+            committed.ends_applied = endlog::apply(&txn, batch.apply_ended)?;
+        }
+        if let Some(ended) = batch.ended.filter(|e| !e.is_empty()) {
+            endlog::append(&txn, ended)?;
+        }
         txn.commit().map_err(StoreError::redb)?;
         Ok(committed)
     }
@@ -81,13 +97,7 @@ fn unindex_job(
 
 fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreError> {
     let mut meta = txn.open_table(META).map_err(StoreError::redb)?;
-    let mut rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
-    let mut ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
-    let mut by_owner = txn
-        .open_table(SESSIONS_BY_OWNER)
-        .map_err(StoreError::redb)?;
-    let mut locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-    let mut index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
+    let mut t = SessionTables::open(txn)?;
     // Rows are issued in commit order, which is creation order: the domain emits a
     // session's `PutSession` in the batch that opens it.
     let stored_row = counter(&meta, META_SESSION_ROW)?;
@@ -112,7 +122,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
             Change::PutSession { id, record } => {
                 // A session is put once, at its open; a second put of the same id keeps
                 // its row rather than leaving the first one orphaned.
-                let row = match row_of(&ids, *id)? {
+                let row = match row_of(&t.ids, *id)? {
                     Some(row) => row,
                     None => {
                         last_row += 1;
@@ -120,66 +130,47 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                     }
                 };
                 let bytes = codec::encode(&SessionRowRef { id: *id, record });
-                rows.insert(row, bytes.as_slice())
+                t.rows
+                    .insert(row, bytes.as_slice())
                     .map_err(StoreError::redb)?;
-                ids.insert(id.as_u128(), row).map_err(StoreError::redb)?;
-                by_owner
+                t.ids.insert(id.as_u128(), row).map_err(StoreError::redb)?;
+                t.by_owner
                     .insert((record.owner.as_str(), id.as_u128()), ())
                     .map_err(StoreError::redb)?;
             }
             Change::SetSessionTtl { id, ttl_ms } => {
-                let Some(row) = row_of(&ids, *id)? else {
+                let Some(row) = row_of(&t.ids, *id)? else {
                     continue;
                 };
-                let found = rows
+                let found = t
+                    .rows
                     .get(row)
                     .map_err(StoreError::redb)?
                     .map(|b| codec::decode::<SessionRow>(b.value()));
                 if let Some(stored) = found {
                     let mut stored = stored.map_err(corrupt("session"))?;
                     stored.record.ttl_ms = *ttl_ms;
-                    rows.insert(row, codec::encode(&stored).as_slice())
+                    t.rows
+                        .insert(row, codec::encode(&stored).as_slice())
                         .map_err(StoreError::redb)?;
                 }
             }
-            Change::DeleteSession { id } => {
-                let Some(row) = ids
-                    .remove(id.as_u128())
-                    .map_err(StoreError::redb)?
-                    .map(|r| r.value())
-                else {
-                    continue;
-                };
-                let removed = rows.remove(row).map_err(StoreError::redb)?;
-                if let Some(bytes) = removed {
-                    let head: SessionRowHead<'_> =
-                        codec::decode_head(bytes.value()).map_err(corrupt("session"))?;
-                    debug_assert_eq!(head.id, *id);
-                    by_owner
-                        .remove((head.owner, id.as_u128()))
-                        .map_err(StoreError::redb)?;
-                }
-            }
+            Change::DeleteSession { id } => t.delete_session(id.as_u128())?,
             Change::PutLock { key, record } => {
-                locks
+                t.locks
                     .insert(key.as_str(), codec::encode(record).as_slice())
                     .map_err(StoreError::redb)?;
                 // The domain grants only to a present session; a holder without a row is
                 // left unindexed, for `check` to report.
-                if let Some(row) = row_of(&ids, record.session_id)? {
-                    index
+                if let Some(row) = row_of(&t.ids, record.session_id)? {
+                    t.index
                         .insert((row, key.as_str()), ())
                         .map_err(StoreError::redb)?;
                 }
             }
+            // An ending session's grants are deleted before its row, in one batch.
             Change::DeleteLock { key, session_id } => {
-                locks.remove(key.as_str()).map_err(StoreError::redb)?;
-                // An ending session's grants are deleted before its row, in one batch.
-                if let Some(row) = row_of(&ids, *session_id)? {
-                    index
-                        .remove((row, key.as_str()))
-                        .map_err(StoreError::redb)?;
-                }
+                t.delete_grant(key.as_str(), session_id.as_u128())?
             }
             Change::PutPool { name, record } => {
                 pools
