@@ -22,6 +22,7 @@
 //! Reads never change state, with one exception written into the rules: a reader that finds
 //! a session past its deadline may end it, durably, before it answers "gone".
 
+pub mod batch;
 pub mod embedded;
 pub mod pacing;
 pub mod postgres;

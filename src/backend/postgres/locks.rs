@@ -148,11 +148,26 @@ impl Postgres {
     /// caller's own grant and still ends an expired holder, but takes no free key.
     ///
     /// One round trip: the schema's `acquire` function runs the attempt under the key's
-    /// lock and answers. Only when a session must be ended on the way (the caller or the
-    /// holder is past its deadline) does the attempt run again as a transaction of several
-    /// statements, which ends it with the one end statement and decides afresh under the
-    /// same locks.
+    /// lock and answers; an attempt that may take the key goes with concurrent ones as one
+    /// call of `acquire_many` (see `batched`). Only when a session must be ended on the way
+    /// (the caller or the holder is past its deadline) does the attempt run again as a
+    /// transaction of several statements, which ends it with the one end statement and
+    /// decides afresh under the same locks.
     async fn try_acquire(
+        &self,
+        id: SessionId,
+        key: &LockKey,
+        may_take: bool,
+    ) -> Result<Step<Granted, ()>> {
+        if may_take {
+            self.acquire_batched(id, key).await
+        } else {
+            self.try_acquire_alone(id, key, may_take).await
+        }
+    }
+
+    /// One attempt by the one-element statement.
+    pub(super) async fn try_acquire_alone(
         &self,
         id: SessionId,
         key: &LockKey,
@@ -167,6 +182,18 @@ impl Postgres {
             )
             .await?
             .ok_or_else(|| BackendError::Unavailable("the acquire returned nothing".into()))?;
+        self.acquire_answer(id, key, may_take, &row).await
+    }
+
+    /// What the schema's `acquire` answered (`answer, granted, revision, held`), alone or as
+    /// an element of `acquire_many`.
+    pub(super) async fn acquire_answer(
+        &self,
+        id: SessionId,
+        key: &LockKey,
+        may_take: bool,
+        row: &tokio_postgres::Row,
+    ) -> Result<Step<Granted, ()>> {
         let answer: &str = row.get(0);
         let token = || Token(row.get::<_, Option<i64>>(1).unwrap_or_default() as u64);
         let revision = || row.get::<_, Option<i64>>(2).unwrap_or_default() as u64;
@@ -301,10 +328,31 @@ impl Postgres {
     /// One round trip when the key is released or the caller does not hold it; a caller
     /// past its deadline holds nothing any more and is ended, durably, before the answer.
     pub async fn release(&self, id: SessionId, key: LockKey, token: Token) -> Result<u64> {
+        self.release_batched(id, key, token).await
+    }
+
+    /// One release by the one-element statement.
+    pub(super) async fn release_alone(
+        &self,
+        id: SessionId,
+        key: LockKey,
+        token: Token,
+    ) -> Result<u64> {
         let row = self
             .query_opt(RELEASE, &[&key.as_str(), &id.0, &(token.0 as i64)], false)
             .await?
             .ok_or_else(|| BackendError::Unavailable("the release returned nothing".into()))?;
+        self.release_answer(id, key, &row).await
+    }
+
+    /// What the schema's `release` answered (`answer, revision`), alone or as an element
+    /// of `release_many`.
+    pub(super) async fn release_answer(
+        &self,
+        id: SessionId,
+        key: LockKey,
+        row: &tokio_postgres::Row,
+    ) -> Result<u64> {
         match row.get::<_, &str>(0) {
             "released" => {
                 self.inner.metrics.locks_released.inc();

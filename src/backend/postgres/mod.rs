@@ -38,6 +38,7 @@
 //!   are sent from the node's `LISTEN` connection, all that have gathered in one statement
 //!   (see `notify`); one lost in a crash only delays a waiter to its next re-check.
 
+mod batched;
 mod errors;
 mod events;
 mod floor;
@@ -169,6 +170,8 @@ pub(crate) struct Inner {
     /// `Backend::ends`: fired after this node's reaper ended sessions and on every
     /// notification received (another node's commit may have ended sessions).
     ends: Arc<tokio::sync::Notify>,
+    /// Concurrent heartbeats, acquires and releases sent together (see `batched`).
+    batches: batched::Batches,
 }
 
 /// What this node freed since notifications were last sent: names, or everything.
@@ -307,7 +310,7 @@ impl Postgres {
             .map_err(|e| StartError::Pool(e.to_string()))?;
         let waiting = Waiting::new(clock.clone(), RECHECK, metrics.waiters.clone());
         let pg = Postgres {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|node| Inner {
                 ns: schema::quoted(&settings.namespace),
                 class: schema::lock_class(&settings.namespace),
                 channel: format!("{}_free", settings.namespace),
@@ -332,6 +335,7 @@ impl Postgres {
                 outbox: Mutex::new(Outbox::default()),
                 outbox_ready: tokio::sync::Notify::new(),
                 ends: Arc::new(tokio::sync::Notify::new()),
+                batches: batched::Batches::start(node),
             }),
             actor: None,
         };
@@ -491,13 +495,7 @@ impl Postgres {
         let sql = self.sql(template);
         let mut tries = 0u32;
         loop {
-            let r: std::result::Result<_, PgError> = async {
-                let client = self.client().await?;
-                let st = client.prepare_cached(&sql).await?;
-                Ok(client.query(&st, params).await?)
-            }
-            .await;
-            match r {
+            match self.send_once(&sql, params).await {
                 Ok(rows) => return Ok(rows),
                 Err(e) if tries < 3 && (e.is_retryable() || (idempotent && e.is_connection())) => {
                     tries += 1;
@@ -506,6 +504,18 @@ impl Postgres {
                 Err(e) => return Err(self.failed(e)),
             }
         }
+    }
+
+    /// Sends one statement (its own transaction) on a pooled connection, prepared once per
+    /// connection.
+    pub(crate) async fn send_once(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Vec<tokio_postgres::Row>, PgError> {
+        let client = self.client().await?;
+        let st = client.prepare_cached(sql).await?;
+        Ok(client.query(&st, params).await?)
     }
 
     pub(crate) async fn query_opt(

@@ -11,7 +11,7 @@ use tokio_postgres::GenericClient;
 use super::errors::PgError;
 
 /// The newest schema version this build knows.
-pub const VERSION: i32 = 5;
+pub const VERSION: i32 = 6;
 
 /// Migration `n` is `MIGRATIONS[n - 1]`. Only ever append: a released migration never
 /// changes, since nodes that applied it will not apply it again.
@@ -21,7 +21,64 @@ const MIGRATIONS: &[&str] = &[
     MIGRATION_ACTOR,
     MIGRATION_REQUEST_IDS,
     MIGRATION_RELEASE,
+    MIGRATION_MANY,
 ];
+
+/// Version 6: the batch calls of concurrent acquires and releases (see `batched`), each built
+/// on the one-element function and answering each element as it answers. Self-contained: it
+/// only adds functions.
+///
+/// Neither ever waits for a lock another transaction holds: an element whose key's advisory
+/// lock, session row (acquire) or lock row (release) is held elsewhere is answered `busy`
+/// and the node sends it alone, outside the batch. So a batch is never part of a deadlock,
+/// whatever order concurrent batches (of this node or another) and other transactions take
+/// their locks in, and one element never waits behind another's lock. Elements of one batch
+/// run in order in one transaction and see each other's writes, as they would one after
+/// the other; the locks one element takes are its own transaction's for the next.
+const MIGRATION_MANY: &str = r#"
+-- Attempts for `keys[i]` by `sids[i]`, as `acquire` with `may_take` true, one answer row per
+-- element in order; `busy` when the key's advisory lock or the session's row is held by
+-- another transaction (or the session has no row). Taking both first, without waiting,
+-- leaves `acquire` nothing to wait for: it takes them again and holds them already.
+CREATE FUNCTION {ns}.acquire_many(lock_class integer, keys text[], sids uuid[],
+                                  max_locks bigint)
+    RETURNS TABLE (answer text, granted bigint, revision bigint, held bigint)
+    LANGUAGE plpgsql AS $$
+BEGIN
+    FOR i IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        answer := 'busy'; granted := NULL; revision := NULL; held := NULL;
+        IF pg_try_advisory_xact_lock(lock_class, hashtext(keys[i])) THEN
+            PERFORM 1 FROM {ns}.session s WHERE s.id = sids[i] FOR NO KEY UPDATE SKIP LOCKED;
+            IF FOUND THEN
+                SELECT a.answer, a.granted, a.revision, a.held
+                INTO answer, granted, revision, held
+                FROM {ns}.acquire(lock_class, keys[i], sids[i], true, max_locks) a;
+            END IF;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+-- Releases of `keys[i]` by `sids[i]` with `toks[i]`, as `release`, one answer row per element
+-- in order; `busy` when the key's lock row is locked by another transaction (a concurrent
+-- end of its session, or release). A key without a row has nothing for `release` to wait
+-- for: its delete finds no row, and a row committed meanwhile carries a new token, which
+-- the delete's condition refuses before it would lock it.
+CREATE FUNCTION {ns}.release_many(keys text[], sids uuid[], toks bigint[])
+    RETURNS TABLE (answer text, revision bigint)
+    LANGUAGE plpgsql AS $$
+BEGIN
+    FOR i IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        answer := 'busy'; revision := NULL;
+        PERFORM 1 FROM {ns}.lock l WHERE l.key = keys[i] FOR UPDATE SKIP LOCKED;
+        IF FOUND OR NOT EXISTS (SELECT 1 FROM {ns}.lock l WHERE l.key = keys[i]) THEN
+            SELECT r.answer, r.revision INTO answer, revision
+            FROM {ns}.release(keys[i], sids[i], toks[i]) r;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"#;
 
 /// Audit events name the API token of the operator or admin call that wrote them (never
 /// its secret); NULL for clients, the background reaper, and events written before. Adding a

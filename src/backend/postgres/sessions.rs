@@ -465,18 +465,27 @@ impl Postgres {
                 };
             }
         };
+        self.heartbeat_batched(id, ttl).await
+    }
+
+    /// A heartbeat with a valid TTL (`None`: the session's own), by the one-session
+    /// statement.
+    pub(super) async fn heartbeat_alone(&self, id: SessionId, ttl: Option<i64>) -> Result<Beat> {
         match self.query_opt(HEARTBEAT, &[&id.0, &ttl], false).await? {
-            Some(row) => {
-                self.inner.metrics.heartbeats.inc();
-                Ok(Beat {
-                    expires_at: UnixMs(row.get::<_, i64>(0) as u64),
-                    ttl_ms: row.get::<_, i64>(1) as u64,
-                })
-            }
+            Some(row) => Ok(self.beaten(row.get(0), row.get(1))),
             None => {
                 self.end_if_expired(id).await?;
                 Err(BackendError::SessionGone)
             }
+        }
+    }
+
+    /// A session extended to `expires_at` with `ttl_ms`, counted.
+    pub(super) fn beaten(&self, expires_at: i64, ttl_ms: i64) -> Beat {
+        self.inner.metrics.heartbeats.inc();
+        Beat {
+            expires_at: UnixMs(expires_at as u64),
+            ttl_ms: ttl_ms as u64,
         }
     }
 

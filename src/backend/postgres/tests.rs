@@ -1420,3 +1420,155 @@ async fn reaper_pass_profile() {
     );
     h.stop();
 }
+
+/// Concurrent heartbeats, acquires and releases through one node go together in batches,
+/// and each gets the answer it would get alone: live sessions extended, sessions past their
+/// deadline ended before "gone" is said, tokens strictly increasing per key, nothing failed.
+#[tokio::test]
+async fn concurrent_calls_batched_through_one_node_each_get_their_own_answer() {
+    let h = Harness::start().await;
+    let mut live = Vec::new();
+    for _ in 0..40 {
+        live.push(h.open(60_000).await);
+    }
+    let mut lapsing = Vec::new();
+    for _ in 0..20 {
+        lapsing.push(h.open(1_000).await);
+    }
+    h.shift(1_500).await;
+
+    let mut beats = Vec::new();
+    for round in 0..3 {
+        for (i, id) in live.iter().chain(&lapsing).enumerate() {
+            let (pg, id) = (h.pg.clone(), *id);
+            let ttl = (i % 2 == 0).then_some(30_000 + round);
+            beats.push(tokio::spawn(async move {
+                (id, ttl, pg.heartbeat(id, ttl).await)
+            }));
+        }
+    }
+    for t in beats {
+        let (id, ttl, beat) = t.await.unwrap();
+        if live.contains(&id) {
+            let beat = beat.unwrap();
+            if let Some(ttl) = ttl {
+                assert_eq!(beat.ttl_ms, ttl);
+            }
+        } else {
+            assert!(matches!(beat, Err(BackendError::SessionGone)), "{beat:?}");
+        }
+    }
+    // "Gone" was said only once the end was durable: each lapsed session ended, once.
+    assert_eq!(h.count("session").await, live.len() as i64);
+
+    // Each live session takes and gives back its own key and a few shared ones, all at once.
+    let grants: Arc<Mutex<BTreeMap<String, Vec<u64>>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for (i, id) in live.iter().enumerate() {
+        let (pg, id, grants) = (h.pg.clone(), *id, grants.clone());
+        tasks.push(tokio::spawn(async move {
+            for n in 0..10 {
+                let name = if n % 2 == 0 {
+                    format!("own/{i}")
+                } else {
+                    format!("shared/{}", (i + n) % 3)
+                };
+                let g = pg.acquire(id, key(&name), 10_000).await.unwrap();
+                // Only the holder gets here, so each key's list is in grant order.
+                grants
+                    .lock()
+                    .entry(name.clone())
+                    .or_default()
+                    .push(g.token.0);
+                pg.release(id, key(&name), g.token).await.unwrap();
+                assert!(matches!(
+                    pg.release(id, key(&name), g.token).await,
+                    Err(BackendError::NotHolder)
+                ));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let grants = grants.lock().clone();
+    assert_eq!(grants.values().map(Vec::len).sum::<usize>(), 400);
+    for (name, tokens) in &grants {
+        for pair in tokens.windows(2) {
+            assert!(pair[1] > pair[0], "{name}: tokens out of order: {pair:?}");
+        }
+    }
+    assert_eq!(h.count("lock").await, 0);
+    let largest = &h.pg.inner.batches.largest;
+    for (kind, n) in ["heartbeats", "acquires", "releases"].iter().zip(largest) {
+        let n = n.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(n > 1, "no two {kind} went together");
+    }
+    h.assert_consistent().await;
+    h.stop();
+}
+
+/// An element of a batch never waits for a lock another transaction holds: it is answered
+/// `busy` (and the node sends it alone), while the others are answered as alone.
+#[tokio::test]
+async fn a_batch_element_whose_lock_is_held_elsewhere_is_busy_not_waiting() {
+    let h = Harness::start().await;
+    let (a, b) = (h.open(60_000).await, h.open(60_000).await);
+    let ns = &h.schema.0;
+    let mut other = connect().await;
+    let tx = other.transaction().await.unwrap();
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1, hashtext('taken'))",
+        &[&h.pg.class()],
+    )
+    .await
+    .unwrap();
+    let rows = h
+        .admin
+        .query(
+            &format!(
+                "SELECT answer, granted FROM \"{ns}\".acquire_many($1, $2::text[], $3::uuid[], 8)"
+            ),
+            &[
+                &h.pg.class(),
+                &vec!["free", "taken", "free", "other"],
+                &vec![a.0, b.0, b.0, b.0],
+            ],
+        )
+        .await
+        .unwrap();
+    let answers: Vec<&str> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(answers, ["granted", "busy", "held", "granted"]);
+    tx.rollback().await.unwrap();
+    let token: i64 = rows[0].get(1);
+
+    // The lock row of `free` locked by another transaction: its release is busy; a release
+    // of a key without a row, and one of a row nobody locks, are answered as alone.
+    let tx = other.transaction().await.unwrap();
+    tx.execute(
+        &format!("SELECT 1 FROM \"{ns}\".lock WHERE key = 'free' FOR UPDATE"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let other_token: i64 = rows[3].get(1);
+    let rows = h
+        .admin
+        .query(
+            &format!(
+                "SELECT answer FROM \"{ns}\".release_many($1::text[], $2::uuid[], $3::bigint[])"
+            ),
+            &[
+                &vec!["free", "nothing", "other", "other"],
+                &vec![a.0, a.0, b.0, b.0],
+                &vec![token, 1, other_token, other_token],
+            ],
+        )
+        .await
+        .unwrap();
+    let answers: Vec<&str> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(answers, ["busy", "not_holder", "released", "not_holder"]);
+    tx.rollback().await.unwrap();
+    assert_eq!(h.count("lock").await, 1);
+    h.stop();
+}
