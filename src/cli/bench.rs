@@ -9,7 +9,9 @@ use crate::loadgen::{self, Options, Workload};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// The server's base URL.
+    /// The server's base URL, plain `http://HOST:PORT`: the timed requests go over the load
+    /// generator's own lean HTTP/1.1 client (one persistent connection per client), which
+    /// speaks no TLS, so an `https://` server is refused; bench a plain listener instead.
     #[arg(
         long,
         env = "LEASEHOLD_SERVER",

@@ -6,6 +6,7 @@
 //! hidden by the clients waiting for it (no coordinated omission).
 
 pub mod cpu;
+pub mod wire;
 mod workloads;
 
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::client::{Client, ClientError};
+use crate::client::ClientError;
 pub use workloads::{Storm, Workload, storm_report};
 
 #[derive(Debug, Clone)]
@@ -60,6 +61,8 @@ pub struct Report {
 pub enum BenchError {
     #[error(transparent)]
     Client(#[from] ClientError),
+    #[error(transparent)]
+    Wire(#[from] wire::WireError),
     #[error("setup failed: {0}")]
     Setup(String),
 }
@@ -85,9 +88,10 @@ pub struct Measured {
     pub errors: u64,
 }
 
-/// Runs `clients` copies of `op` for warm-up plus duration. `op` does one unit of work and
-/// returns the latency to record (or an error). With a rate, each client paces itself and
-/// the latency counts from the intended start.
+/// Runs one client per state in `states` for warm-up plus duration. `op` does one unit of
+/// work with a client's state (its connection among it) and returns the state with the
+/// latencies to record (or an error). With a rate, each client paces itself and the latency
+/// counts from the intended start.
 pub async fn drive<S, F, Fut>(
     opts: &Options,
     states: Vec<S>,
@@ -96,7 +100,7 @@ pub async fn drive<S, F, Fut>(
 ) -> Vec<Measured>
 where
     S: Send + 'static,
-    F: Fn(Client, S) -> Fut + Send + Sync + Clone + 'static,
+    F: Fn(S) -> Fut + Send + Sync + Clone + 'static,
     Fut: std::future::Future<Output = (S, Result<Vec<Duration>, ()>)> + Send,
 {
     let per_client = opts.rate.map(|r| r / states.len().max(1) as f64);
@@ -114,10 +118,6 @@ where
     });
     let mut tasks = Vec::new();
     for state in states {
-        let client = match Client::new(&opts.server) {
-            Ok(c) => c,
-            Err(_) => break,
-        };
         let op = op.clone();
         let progress = progress.clone();
         tasks.push(tokio::spawn(async move {
@@ -142,7 +142,7 @@ where
                 }
                 sent += 1;
                 let began = Instant::now();
-                let (next, result) = op(client.clone(), state).await;
+                let (next, result) = op(state).await;
                 state = next;
                 let measuring = began >= measure_from;
                 match result {

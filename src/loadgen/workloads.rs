@@ -7,8 +7,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{Value, json};
 
 use super::cpu::{self, CpuMark};
+use super::wire::{Conn, Reply};
 use super::{BenchError, Options, Progress, Report, drive, histogram, report, spawn_progress};
-use crate::client::{Client, Reply, segment};
+use crate::client::{Client, segment};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Workload {
@@ -69,20 +70,21 @@ impl Rng {
     }
 }
 
-fn ok(r: &Reply, status: u16) -> Result<(), ()> {
-    if r.status.as_u16() == status {
-        Ok(())
-    } else {
-        Err(())
-    }
+fn ok(r: &Reply<'_>, status: u16) -> Result<(), ()> {
+    if r.status == status { Ok(()) } else { Err(()) }
 }
 
-async fn timed<F: std::future::Future<Output = Result<Reply, crate::client::ClientError>>>(
-    f: F,
-) -> (Duration, Result<Reply, ()>) {
-    let t = Instant::now();
-    let r = f.await.map_err(|_| ());
-    (t.elapsed(), r)
+/// Sends one request on a [`Conn`]: `send!(conn, "POST", (path format), (body format))`
+/// gives the time from the request's formatting to its whole reply, and the reply (or
+/// `Err(())`). The formatting is its own statement so that no `fmt::Arguments` lives across
+/// the await.
+macro_rules! send {
+    ($c:expr, $method:literal, ($($path:tt)*), ($($body:tt)*)) => {{
+        let t = Instant::now();
+        $c.prepare($method, format_args!($($path)*), format_args!($($body)*));
+        let r = $c.exchange().await.map_err(|_| ());
+        (t.elapsed(), r)
+    }};
 }
 
 async fn open(client: &Client, owner: &str, ttl_ms: u64) -> Result<(String, u64), BenchError> {
@@ -139,6 +141,9 @@ async fn close_all(server: &str, ids: &[String]) {
 }
 
 pub async fn run(opts: Options) -> Result<Report, BenchError> {
+    // The timed requests go over the load generator's own client: refuse a URL it cannot
+    // speak to before any setup.
+    Conn::new(&opts.server, None)?;
     match opts.workload {
         Workload::MassExpiry => mass_expiry(opts).await,
         w => steady(opts, w).await,
@@ -185,79 +190,84 @@ async fn steady(opts: Options, workload: Workload) -> Result<Report, BenchError>
     let ticker = opts
         .progress
         .then(|| spawn_progress(workload.name().into(), progress.clone(), done.clone()));
+    // One persistent connection per client, made before the clock starts.
+    let conns = (0..clients)
+        .map(|_| Conn::new(&opts.server, None))
+        .collect::<Result<Vec<_>, _>>()?;
     let started = Instant::now();
     let measured = match workload {
         Workload::LockChurn => {
             let keys = opts.keys.max(1);
-            let states = sessions
-                .iter()
+            let states = conns
+                .into_iter()
+                .zip(&sessions)
                 .enumerate()
-                .map(|(i, s)| (s.clone(), Rng::new(i as u64 + run_id)))
+                .map(|(i, (c, s))| (c, s.clone(), Rng::new(i as u64 + run_id)))
                 .collect();
             drive(
                 &opts,
                 states,
-                move |c, (sid, mut rng)| async move {
-                    let r = lock_pair(&c, &sid, &mut rng, keys, run_id).await;
-                    ((sid, rng), r)
+                move |(mut c, sid, mut rng)| async move {
+                    let r = lock_pair(&mut c, &sid, &mut rng, keys, run_id).await;
+                    ((c, sid, rng), r)
                 },
                 progress.clone(),
             )
             .await
         }
         Workload::SessionChurn => {
-            let states = vec![(); clients];
             drive(
                 &opts,
-                states,
-                |c, ()| async move { ((), session_cycle(&c).await) },
+                conns,
+                |mut c| async move {
+                    let r = session_cycle(&mut c).await;
+                    (c, r)
+                },
                 progress.clone(),
             )
             .await
         }
         Workload::Heartbeat => {
             let per = sessions.len().div_ceil(clients);
-            let states = sessions
-                .chunks(per.max(1))
-                .map(|chunk| (Arc::new(chunk.to_vec()), 0usize))
+            let states = conns
+                .into_iter()
+                .zip(sessions.chunks(per.max(1)))
+                .map(|(c, chunk)| (c, Arc::new(chunk.to_vec()), 0usize))
                 .collect();
             drive(
                 &opts,
                 states,
-                |c, (ids, i): (Arc<Vec<String>>, usize)| async move {
+                |(mut c, ids, i): (Conn, Arc<Vec<String>>, usize)| async move {
                     let id = &ids[i % ids.len()];
-                    let (t, r) =
-                        timed(c.post(&format!("/v1/sessions/{id}/heartbeat"), &json!({}))).await;
+                    let (t, r) = send!(c, "POST", ("/v1/sessions/{id}/heartbeat"), ("{{}}"));
                     let r = r.and_then(|r| ok(&r, 200)).map(|()| vec![t]);
-                    ((ids.clone(), i + 1), r)
+                    ((c, ids, i + 1), r)
                 },
                 progress.clone(),
             )
             .await
         }
-        Workload::SeatChurn => {
-            let path = format!("/v1/pools/{}", segment(&pool));
-            let states = sessions.iter().map(|s| (s.clone(), path.clone())).collect();
+        Workload::SeatChurn | Workload::JobChurn => {
+            let path: Arc<str> = if workload == Workload::SeatChurn {
+                format!("/v1/pools/{}", segment(&pool)).into()
+            } else {
+                format!("/v1/queues/{}", segment(&queue)).into()
+            };
+            let states = conns
+                .into_iter()
+                .zip(&sessions)
+                .map(|(c, s)| (c, s.clone(), path.clone()))
+                .collect();
             drive(
                 &opts,
                 states,
-                |c, (sid, path): (String, String)| async move {
-                    let r = seat_pair(&c, &sid, &path).await;
-                    ((sid, path), r)
-                },
-                progress.clone(),
-            )
-            .await
-        }
-        Workload::JobChurn => {
-            let path = format!("/v1/queues/{}", segment(&queue));
-            let states = sessions.iter().map(|s| (s.clone(), path.clone())).collect();
-            drive(
-                &opts,
-                states,
-                |c, (sid, path): (String, String)| async move {
-                    let r = job_cycle(&c, &sid, &path).await;
-                    ((sid, path), r)
+                move |(mut c, sid, path): (Conn, String, Arc<str>)| async move {
+                    let r = if workload == Workload::SeatChurn {
+                        seat_pair(&mut c, &sid, &path).await
+                    } else {
+                        job_cycle(&mut c, &sid, &path).await
+                    };
+                    ((c, sid, path), r)
                 },
                 progress.clone(),
             )
@@ -281,28 +291,32 @@ async fn steady(opts: Options, workload: Workload) -> Result<Report, BenchError>
 
 /// Acquire a random free key, then release it; the latency is the acquire's.
 async fn lock_pair(
-    c: &Client,
+    c: &mut Conn,
     sid: &str,
     rng: &mut Rng,
     keys: usize,
     run_id: u64,
 ) -> Result<Vec<Duration>, ()> {
     for _ in 0..16 {
-        let key = format!("bench/{run_id}/{}", rng.below(keys));
-        let path = format!("/v1/locks/{}", segment(&key));
-        let (t, r) = timed(c.post(&format!("{path}/acquire"), &json!({"session_id": sid}))).await;
+        // The key `bench/{run_id}/{k}`, its slashes percent-encoded as `segment` does.
+        let k = rng.below(keys);
+        let (t, r) = send!(
+            c,
+            "POST",
+            ("/v1/locks/bench%2F{run_id}%2F{k}/acquire"),
+            ("{{\"session_id\":\"{sid}\"}}")
+        );
         let r = r?;
-        match r.status.as_u16() {
+        match r.status {
             200 => {
-                let token = r.body["token"].as_u64().ok_or(())?;
-                let rel = c
-                    .post(
-                        &format!("{path}/release"),
-                        &json!({"session_id": sid, "token": token}),
-                    )
-                    .await
-                    .map_err(|_| ())?;
-                ok(&rel, 200)?;
+                let token = r.u64("token").ok_or(())?;
+                let (_, rel) = send!(
+                    c,
+                    "POST",
+                    ("/v1/locks/bench%2F{run_id}%2F{k}/release"),
+                    ("{{\"session_id\":\"{sid}\",\"token\":{token}}}")
+                );
+                ok(&rel?, 200)?;
                 return Ok(vec![t]);
             }
             // Another client holds this key: try another, as a real contender would.
@@ -313,61 +327,77 @@ async fn lock_pair(
     Err(())
 }
 
-async fn session_cycle(c: &Client) -> Result<Vec<Duration>, ()> {
+async fn session_cycle(c: &mut Conn) -> Result<Vec<Duration>, ()> {
     let mut lat = Vec::with_capacity(5);
-    let (t, r) = timed(c.post("/v1/sessions", &json!({"owner": "bench", "ttl_ms": 60_000}))).await;
+    let (t, r) = send!(
+        c,
+        "POST",
+        ("/v1/sessions"),
+        ("{{\"owner\":\"bench\",\"ttl_ms\":60000}}")
+    );
     let r = r?;
     ok(&r, 201)?;
     lat.push(t);
-    let id = r.body["session_id"].as_str().ok_or(())?.to_string();
+    let id = r.str("session_id").ok_or(())?.to_string();
     for _ in 0..3 {
-        let (t, r) = timed(c.post(&format!("/v1/sessions/{id}/heartbeat"), &json!({}))).await;
+        let (t, r) = send!(c, "POST", ("/v1/sessions/{id}/heartbeat"), ("{{}}"));
         ok(&r?, 200)?;
         lat.push(t);
     }
-    let (t, r) = timed(c.delete(&format!("/v1/sessions/{id}"))).await;
+    let (t, r) = send!(c, "DELETE", ("/v1/sessions/{id}"), (""));
     ok(&r?, 200)?;
     lat.push(t);
     Ok(lat)
 }
 
-async fn seat_pair(c: &Client, sid: &str, path: &str) -> Result<Vec<Duration>, ()> {
-    let (t, r) = timed(c.post(&format!("{path}/acquire"), &json!({"session_id": sid}))).await;
+async fn seat_pair(c: &mut Conn, sid: &str, path: &str) -> Result<Vec<Duration>, ()> {
+    let (t, r) = send!(
+        c,
+        "POST",
+        ("{path}/acquire"),
+        ("{{\"session_id\":\"{sid}\"}}")
+    );
     let r = r?;
     ok(&r, 200)?;
-    let token = r.body["seat_token"].as_u64().ok_or(())?;
-    let rel = c
-        .post(
-            &format!("{path}/release"),
-            &json!({"session_id": sid, "seat_token": token}),
-        )
-        .await
-        .map_err(|_| ())?;
-    ok(&rel, 200)?;
+    let token = r.u64("seat_token").ok_or(())?;
+    let (_, rel) = send!(
+        c,
+        "POST",
+        ("{path}/release"),
+        ("{{\"session_id\":\"{sid}\",\"seat_token\":{token}}}")
+    );
+    ok(&rel?, 200)?;
     Ok(vec![t])
 }
 
-async fn job_cycle(c: &Client, sid: &str, path: &str) -> Result<Vec<Duration>, ()> {
-    let (t1, r) = timed(c.post(
-        &format!("{path}/jobs"),
-        &json!({"payload": {"n": 1}, "idempotent": true}),
-    ))
-    .await;
+async fn job_cycle(c: &mut Conn, sid: &str, path: &str) -> Result<Vec<Duration>, ()> {
+    let (t1, r) = send!(
+        c,
+        "POST",
+        ("{path}/jobs"),
+        ("{{\"payload\":{{\"n\":1}},\"idempotent\":true}}")
+    );
     ok(&r?, 201)?;
-    let (t2, r) = timed(c.post(&format!("{path}/claim"), &json!({"session_id": sid}))).await;
+    let (t2, r) = send!(
+        c,
+        "POST",
+        ("{path}/claim"),
+        ("{{\"session_id\":\"{sid}\"}}")
+    );
     let r = r?;
-    if r.status.as_u16() == 204 {
+    if r.status == 204 {
         // Another client took the job this one queued; the queue is never starved for long.
         return Ok(vec![t1, t2]);
     }
     ok(&r, 200)?;
-    let job = r.body["job_id"].as_str().ok_or(())?.to_string();
-    let token = r.body["token"].as_u64().ok_or(())?;
-    let (t3, r) = timed(c.post(
-        &format!("/v1/jobs/{job}/complete"),
-        &json!({"session_id": sid, "token": token}),
-    ))
-    .await;
+    let job = r.str("job_id").ok_or(())?.to_string();
+    let token = r.u64("token").ok_or(())?;
+    let (t3, r) = send!(
+        c,
+        "POST",
+        ("/v1/jobs/{job}/complete"),
+        ("{{\"session_id\":\"{sid}\",\"token\":{token}}}")
+    );
     ok(&r?, 200)?;
     Ok(vec![t1, t2, t3])
 }
@@ -455,14 +485,14 @@ async fn mass_expiry(opts: Options) -> Result<Report, BenchError> {
     let stop = Arc::new(AtomicBool::new(false));
     let mut churners = Vec::new();
     for (i, sid) in live.iter().enumerate() {
-        let client = Client::new(&opts.server)?;
+        let mut conn = Conn::new(&opts.server, None)?;
         let (sid, stop) = (sid.clone(), stop.clone());
         let keys = opts.keys.max(1);
         churners.push(tokio::spawn(async move {
             let mut rng = Rng::new(i as u64 + run_id);
             let mut samples = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let lat = lock_pair(&client, &sid, &mut rng, keys, run_id).await;
+                let lat = lock_pair(&mut conn, &sid, &mut rng, keys, run_id).await;
                 samples.push((wall_ms(), lat.ok().map(|l| l[0].as_micros() as u64)));
             }
             samples

@@ -173,13 +173,15 @@ pub async fn run(url: &str, workload: Workload, opts: Options) -> loadgen::Repor
     }
     drop(setup);
     let ids = Arc::new(ids);
-    let states: Vec<(usize, usize)> = (0..clients).map(|c| (c, 0)).collect();
+    let states: Vec<(Client, usize, usize)> = (0..clients)
+        .map(|c| (Client::new(url).expect("an etcd URL"), c, 0))
+        .collect();
     let progress = Arc::new(Progress::default());
     let started = Instant::now();
     let measured = drive(
         &opts,
         states,
-        move |c, (client, mut i): (usize, usize)| {
+        move |(c, client, mut i): (Client, usize, usize)| {
             let ids = ids.clone();
             async move {
                 i += 1;
@@ -194,7 +196,7 @@ pub async fn run(url: &str, workload: Workload, opts: Options) -> loadgen::Repor
                         .await
                         .map(|latency| vec![latency]),
                 };
-                ((client, i), r)
+                ((c, client, i), r)
             }
         },
         progress.clone(),

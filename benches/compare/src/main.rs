@@ -94,7 +94,7 @@ async fn main() {
     };
     let (kind, target) = args[1].split_once('=').expect("TARGET is kind=address");
     let clients: usize = args[3].parse().expect("CLIENTS is a number");
-    // The driver hands each task a Leasehold client; the peers' tasks ignore it.
+    // The Leasehold and etcd runs connect to the target; the others' options name no server.
     let server = if kind == "leasehold" || kind == "etcd" {
         target
     } else {
@@ -158,7 +158,7 @@ async fn redis_run(url: &str, workload: Workload, opts: Options) -> loadgen::Rep
     let measured = drive(
         &opts,
         states,
-        move |_, (mut conn, c, mut i): (redis::aio::MultiplexedConnection, usize, usize)| {
+        move |(mut conn, c, mut i): (redis::aio::MultiplexedConnection, usize, usize)| {
             let (acquire, release) = (acquire.clone(), release.clone());
             async move {
                 i += 1;
@@ -290,8 +290,7 @@ async fn pg_run(conninfo: &str, workload: Workload, opts: Options) -> loadgen::R
     let measured = drive(
         &opts,
         states,
-        move |_,
-              (client, st, c, mut i): (
+        move |(client, st, c, mut i): (
             Arc<tokio_postgres::Client>,
             [Statement; 5],
             usize,

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use leasehold::loadgen::cpu::{self, CpuMark};
 use leasehold::loadgen::{self, Options, Report, Storm};
 use redis::Script;
 use redis::aio::MultiplexedConnection;
@@ -116,6 +117,20 @@ async fn next_poll(deadline: u64) {
         if now >= deadline {
             return;
         }
+    }
+}
+
+/// The CPU from the first poll at the deadline (`began`) to all free (`ended`), per dying
+/// session, as `leasehold bench` reports it. The driver's share includes whatever cleaner or
+/// reaper task the peer's design runs inside the driver.
+fn storm_cpu(
+    began: Option<CpuMark>,
+    ended: CpuMark,
+    opts: &Options,
+    extra: &mut Map<String, Value>,
+) {
+    if let Some(began) = began {
+        cpu::per_op(began, ended, opts.sessions.max(1) as u64, extra);
     }
 }
 
@@ -233,8 +248,10 @@ pub async fn redis(url: &str, opts: &Options) -> Report {
         })
         .collect();
     let mut poll = connect().await;
-    let free_at = loop {
+    let mut began = None;
+    let (free_at, ended) = loop {
         next_poll(deadline).await;
+        began.get_or_insert_with(|| CpuMark::now(opts.server_pid));
         let mut pipe = redis::pipe();
         for batch in &held {
             pipe.cmd("EXISTS").arg(batch);
@@ -243,7 +260,7 @@ pub async fn redis(url: &str, opts: &Options) -> Report {
         let mut counts = counts.into_iter();
         held.retain(|_| counts.next() != Some(0));
         if held.is_empty() {
-            break wall_ms();
+            break (wall_ms(), CpuMark::now(opts.server_pid));
         }
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -251,6 +268,7 @@ pub async fn redis(url: &str, opts: &Options) -> Report {
     stop_cleaning.store(true, Ordering::Relaxed);
     let cleaned = cleaner.await.expect("the cleaner");
     let mut extra = Map::new();
+    storm_cpu(began, ended, opts, &mut extra);
     extra.insert("cleaner_passes".into(), json!(cleaned.passes));
     extra.insert("cleaner_deleted".into(), json!(cleaned.deleted));
     extra.insert(
@@ -425,8 +443,10 @@ pub async fn postgres(conninfo: &str, opts: &Options) -> Report {
     }
     // 4. Poll the count of the dying locks.
     let poll = pg_connect(conninfo).await;
-    let free_at = loop {
+    let mut began = None;
+    let (free_at, ended) = loop {
         next_poll(deadline).await;
+        began.get_or_insert_with(|| CpuMark::now(opts.server_pid));
         let row = poll
             .query_one(
                 "SELECT count(*) FROM lock_entry WHERE lock_key LIKE 'cmp/mx/%'",
@@ -435,7 +455,7 @@ pub async fn postgres(conninfo: &str, opts: &Options) -> Report {
             .await
             .expect("count the locks");
         if row.get::<_, i64>(0) == 0 {
-            break wall_ms();
+            break (wall_ms(), CpuMark::now(opts.server_pid));
         }
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -443,6 +463,7 @@ pub async fn postgres(conninfo: &str, opts: &Options) -> Report {
     stop_reaping.store(true, Ordering::Relaxed);
     let (rounds, deleted) = reaper.await.expect("the reaper");
     let mut extra = Map::new();
+    storm_cpu(began, ended, opts, &mut extra);
     extra.insert("reaper_rounds".into(), json!(rounds));
     extra.insert("reaper_deleted".into(), json!(deleted));
     storm_report(opts, deadline, free_at, samples, extra)
