@@ -172,7 +172,7 @@ fn batch(changes: &[Change], revision: u64, event_seq: u64) -> Batch<'_> {
         changes,
         revision,
         event_seq,
-        trim_events: None,
+        ..Batch::default()
     }
 }
 
