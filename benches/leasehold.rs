@@ -401,7 +401,7 @@ impl CommitRig {
             changes: &self.fx.changes,
             revision: self.state.revision(),
             event_seq: self.state.event_seq(),
-            trim_events: None,
+            ..Batch::default()
         };
         let start = Instant::now();
         black_box(self.store.commit(&batch).expect("commit"));
