@@ -18,18 +18,16 @@
 //! - `Store::open` applies every pending record before anything is loaded, so a restart
 //!   never brings an ended session back.
 
-use redb::{ReadableTable, ReadableTableMetadata, Table, TableDefinition, WriteTransaction};
+use redb::{ReadableTable, ReadableTableMetadata, Table, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
 use super::codec;
 use super::error::StoreError;
+pub(super) use super::tables::END_LOG;
 use super::tables::{
     LOCKS, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SESSIONS_BY_OWNER, SessionRowHead, corrupt, row_of,
 };
 use crate::domain::{Change, SessionId};
-
-/// Record number → [`Ended`]: the pending ends, oldest first.
-pub(super) const END_LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("end_log");
 
 /// The sessions one reaper pass ended, whose rows are still to be deleted. Postcard is
 /// positional: fields are only appended.

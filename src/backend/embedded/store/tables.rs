@@ -47,6 +47,9 @@ pub(super) const SESSIONS_BY_OWNER: TableDefinition<(&str, u128), ()> =
 pub(super) const LOCKS: TableDefinition<&str, &[u8]> = TableDefinition::new("locks");
 pub(super) const ROW_LOCKS: TableDefinition<(u64, &str), ()> = TableDefinition::new("row_locks");
 pub(super) const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+/// Record number → an encoded `endlog::Ended`: the pending ends, oldest first (see
+/// [`super::endlog`]).
+pub(super) const END_LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("end_log");
 pub(super) const POOLS: TableDefinition<&str, &[u8]> = TableDefinition::new("pools");
 pub(super) const SEATS: TableDefinition<(&str, u128), &[u8]> = TableDefinition::new("seats");
 pub(super) const SESSION_SEATS: TableDefinition<(u128, &str), ()> =
@@ -157,7 +160,7 @@ pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
     f.table(SESSION_JOBS)?;
     f.table(super::chain::EVENT_HASHES)?;
     f.table(REQUEST_IDS)?;
-    f.table(super::endlog::END_LOG)?;
+    f.table(END_LOG)?;
     Ok(())
 }
 
@@ -180,8 +183,7 @@ pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
     txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
     txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
     txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
-    txn.open_table(super::endlog::END_LOG)
-        .map_err(StoreError::redb)?;
+    txn.open_table(END_LOG).map_err(StoreError::redb)?;
     Ok(())
 }
 
