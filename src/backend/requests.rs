@@ -136,6 +136,13 @@ impl From<crate::backend::Granted> for Answer {
     }
 }
 
+/// A claim's answer: the job it claimed, or [`Answer::NoJob`] (never stored).
+impl From<Option<&crate::backend::Claimed>> for Answer {
+    fn from(c: Option<&crate::backend::Claimed>) -> Answer {
+        c.map_or(Answer::NoJob, Answer::from)
+    }
+}
+
 impl From<&crate::backend::Claimed> for Answer {
     fn from(c: &crate::backend::Claimed) -> Answer {
         Answer::Claimed {

@@ -205,23 +205,14 @@ impl Embedded {
                 }
             }
             Mutation::Claim { id, queue, wait_ms } => {
-                match self.claim_once(id, queue, wait_ms, request).await? {
-                    Some(c) => Answer::from(&c),
-                    None => Answer::NoJob,
-                }
+                Answer::from(self.claim_once(id, queue, wait_ms, request).await?.as_ref())
             }
             Mutation::AcquireSeat {
                 id,
                 pool,
                 metadata,
                 wait_ms,
-            } => {
-                let g = self.seat_once(id, pool, metadata, wait_ms, request).await?;
-                Answer::Granted {
-                    token: g.token.0,
-                    revision: g.revision,
-                }
-            }
+            } => Answer::from(self.seat_once(id, pool, metadata, wait_ms, request).await?),
             Mutation::ReleaseSeat { id, pool, token } => {
                 let revision = self
                     .call(|reply| Command::ReleaseSeat {

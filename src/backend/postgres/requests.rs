@@ -269,12 +269,10 @@ impl Postgres {
                 }
                 Ok(answer)
             }
-            Mutation::Claim { id, queue, wait_ms } => Ok(
-                match self.claim_once(id, queue, wait_ms, Some(&request)).await? {
-                    Some(c) => Answer::from(&c),
-                    None => Answer::NoJob,
-                },
-            ),
+            Mutation::Claim { id, queue, wait_ms } => {
+                let claimed = self.claim_once(id, queue, wait_ms, Some(&request)).await?;
+                Ok(Answer::from(claimed.as_ref()))
+            }
             Mutation::AcquireSeat {
                 id,
                 pool,

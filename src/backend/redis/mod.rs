@@ -1617,12 +1617,10 @@ impl Backend for Redis {
                     revision,
                 })
             }
-            Mutation::Claim { id, queue, wait_ms } => Ok(
-                match self.claim_once(id, queue, wait_ms, Some(&request)).await? {
-                    Some(c) => Answer::from(&c),
-                    None => Answer::NoJob,
-                },
-            ),
+            Mutation::Claim { id, queue, wait_ms } => {
+                let claimed = self.claim_once(id, queue, wait_ms, Some(&request)).await?;
+                Ok(Answer::from(claimed.as_ref()))
+            }
             Mutation::AcquireSeat {
                 id,
                 pool,
