@@ -14,8 +14,9 @@
 //!   it is ended durably before "gone" is said.
 //! - **The cascade is the database's.** Ending a session (close, expiry, operator, or a
 //!   contender finding it past its deadline) is one statement that settles its jobs, writes
-//!   the audit events and deletes the session row; `ON DELETE CASCADE` removes its locks and
-//!   seats. No code deletes lock or seat rows on a session's behalf.
+//!   the audit events and deletes the session row; the schema's cascade trigger on `session`
+//!   (version 7; set-based, where a foreign key acts row by row) removes its locks and seats
+//!   in the same statement. No code deletes lock or seat rows on a session's behalf.
 //! - **Token order.** Every mutation draws its revision from the `revision` sequence, and a
 //!   grant's token is its revision. The token is drawn only once the transaction holds the
 //!   lock that serialises grants of that resource: the key's advisory lock for a lock (a

@@ -17,9 +17,9 @@ use crate::domain::{EndReason, JobId, SessionId, SessionRecord, Token, UnixMs};
 /// (idempotent, under the cap: `recovery_count + 1`) or fail (`max_recoveries_exceeded`,
 /// `not_idempotent`); their events are written in the embedded backend's order (per
 /// session: seats reclaimed, jobs settled, then the end with the locks released); and their
-/// rows are deleted, the cascade removing their locks and seats. Every sub-statement reads
-/// the snapshot the statement started with, and the cascade runs at its end, so the locks
-/// and seats read here are exactly the ones the cascade removes.
+/// rows are deleted, the cascade trigger on `session` removing their locks and seats. Every
+/// sub-statement reads the snapshot the statement started with, and the trigger runs at its
+/// end, so the locks and seats read here are the ones the cascade removes.
 ///
 /// One row: sessions ended by reason, the revision, how many locks and seats were released
 /// and jobs recovered, the reasons jobs failed; and, when the statement freed no more than a

@@ -55,8 +55,12 @@ impl Drop for Schema {
                 if let Ok((c, conn)) = tokio_postgres::connect(&url(), tokio_postgres::NoTls).await
                 {
                     tokio::spawn(conn);
+                    // Bounded: a failed test may leave a transaction holding locks in the
+                    // schema; the drop then gives up rather than hang the test run.
                     let _ = c
-                        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{ns}\" CASCADE"))
+                        .batch_execute(&format!(
+                            "SET lock_timeout = '20s'; DROP SCHEMA IF EXISTS \"{ns}\" CASCADE"
+                        ))
                         .await;
                 }
             });
@@ -348,6 +352,168 @@ async fn closing_cascades_to_locks_and_seats_with_one_event() {
         h.pg.acquire(a, key("z"), 0).await,
         Err(BackendError::SessionGone)
     ));
+    h.assert_consistent().await;
+    h.stop();
+}
+
+/// The SQLSTATE of a refused statement.
+fn sqlstate(e: &tokio_postgres::Error) -> String {
+    e.code().map(|c| c.code().to_string()).unwrap_or_default()
+}
+
+/// Waits until the backend `pid`, running `statement`, waits for a row lock (or gives up after
+/// ten seconds); fails if the statement finishes first, without having waited.
+async fn until_waiting_for_a_lock<T>(
+    admin: &tokio_postgres::Client,
+    pid: i32,
+    statement: &tokio::task::JoinHandle<T>,
+) {
+    for _ in 0..1_000 {
+        assert!(
+            !statement.is_finished(),
+            "backend {pid}'s statement finished without waiting for the lock"
+        );
+        let waiting: Option<String> = admin
+            .query_opt(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .unwrap()
+            .and_then(|r| r.get(0));
+        if waiting.as_deref() == Some("Lock") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("backend {pid} never waited for a lock");
+}
+
+/// The references of schema version 7, kept by the cascade trigger and the reference checks
+/// as foreign keys kept them: a session row deleted by hand (no end statement) takes its locks
+/// and seats with it, several at once; a delete of a session a job still names is refused
+/// and changes nothing; a lock, seat or claim naming a session that does not exist is
+/// refused.
+#[tokio::test]
+async fn the_triggers_keep_every_reference_a_foreign_key_kept() {
+    let h = Harness::start().await;
+    let ns = format!("\"{}\"", h.schema.0);
+    h.pg.put_pool(key("p"), 5, None).await.unwrap();
+    let mut holders = Vec::new();
+    for i in 0..3 {
+        let s = h.open(60_000).await;
+        h.pg.acquire(s, key(&format!("x{i}")), 0).await.unwrap();
+        h.pg.acquire(s, key(&format!("y{i}")), 0).await.unwrap();
+        h.pg.acquire_seat(s, key("p"), None, 0).await.unwrap();
+        holders.push(s.0);
+    }
+    let worker = h.open(60_000).await;
+    h.pg.acquire(worker, key("w"), 0).await.unwrap();
+    let queue = key("q");
+    h.pg.enqueue(NewJob {
+        queue: queue.clone(),
+        payload: "{}".into(),
+        idempotent: true,
+        max_recoveries: None,
+        kind: None,
+    })
+    .await
+    .unwrap();
+    h.pg.claim(worker, queue, 0).await.unwrap().unwrap();
+
+    // One statement deletes three holders: their six locks and three seats go with them.
+    let deleted = h
+        .admin
+        .execute(
+            &format!("DELETE FROM {ns}.session WHERE id = ANY ($1)"),
+            &[&holders],
+        )
+        .await
+        .unwrap();
+    assert_eq!(deleted, 3);
+    assert_eq!(h.count("lock").await, 1, "only the worker's lock is left");
+    assert_eq!(h.count("seat").await, 0);
+
+    // The worker still claims a job: its delete is refused, and its lock stays.
+    let refused = h
+        .admin
+        .execute(
+            &format!("DELETE FROM {ns}.session WHERE id = $1"),
+            &[&worker.0],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&refused), "23503", "{refused}");
+    assert_eq!(h.count("session").await, 1);
+    assert_eq!(h.count("lock").await, 1);
+
+    // Grants for a session that does not exist.
+    let missing = uuid::Uuid::new_v4();
+    for sql in [
+        format!("INSERT INTO {ns}.lock (key, session_id, token) VALUES ('z', $1, 1)"),
+        format!("INSERT INTO {ns}.seat (pool, session_id, token) VALUES ('p', $1, 1)"),
+        format!("UPDATE {ns}.job SET claim_session = $1"),
+    ] {
+        let refused = h.admin.execute(&sql, &[&missing]).await.unwrap_err();
+        assert_eq!(sqlstate(&refused), "23503", "{sql}: {refused}");
+    }
+    assert_eq!(h.count("lock").await, 1);
+    assert_eq!(h.count("seat").await, 0);
+    h.assert_consistent().await;
+    h.stop();
+}
+
+/// A grant and a delete of its session racing, as with a foreign key: a grant written first
+/// holds the session row until its commit, so the delete waits and its cascade then removes
+/// the grant; a grant written after the delete waits for it and is refused. Either way no
+/// grant outlives its session. (Several worker threads: should an assertion fail while a
+/// transaction is open, its connection is still driven, and closes as the client drops.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_racing_the_delete_of_its_session_never_outlives_it() {
+    let h = Harness::start().await;
+    let ns = format!("\"{}\"", h.schema.0);
+    let grant = format!(
+        "INSERT INTO {ns}.lock (key, session_id, token) VALUES ($1, $2, nextval('{ns}.revision'))"
+    );
+    let delete = format!("DELETE FROM {ns}.session WHERE id = $1");
+
+    // The grant first: the delete waits for its commit, then removes it.
+    let s = h.open(60_000).await;
+    let granter = connect().await;
+    granter.batch_execute("BEGIN").await.unwrap();
+    granter.execute(&grant, &[&"first", &s.0]).await.unwrap();
+    let deleter = connect().await;
+    let pid: i32 = deleter
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let waiting = {
+        let delete = delete.clone();
+        tokio::spawn(async move { deleter.execute(&delete, &[&s.0]).await })
+    };
+    until_waiting_for_a_lock(&h.admin, pid, &waiting).await;
+    granter.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(waiting.await.unwrap().unwrap(), 1);
+    assert_eq!(h.count("lock").await, 0);
+
+    // The delete first: the grant waits for its commit, then is refused.
+    let s = h.open(60_000).await;
+    let deleter = connect().await;
+    deleter.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(deleter.execute(&delete, &[&s.0]).await.unwrap(), 1);
+    let granter = connect().await;
+    let pid: i32 = granter
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let waiting = tokio::spawn(async move { granter.execute(&grant, &[&"second", &s.0]).await });
+    until_waiting_for_a_lock(&h.admin, pid, &waiting).await;
+    deleter.batch_execute("COMMIT").await.unwrap();
+    let refused = waiting.await.unwrap().unwrap_err();
+    assert_eq!(sqlstate(&refused), "23503", "{refused}");
+    assert_eq!(h.count("lock").await, 0);
     h.assert_consistent().await;
     h.stop();
 }
