@@ -37,9 +37,10 @@ locks AS MATERIALIZED (
     SELECT session_id, key, token FROM {ns}.lock
     WHERE session_id = ANY (ARRAY(SELECT id FROM ended))
 ),
+-- Not even looked up when no session holds a seat: a lookup per ended session costs.
 seats AS MATERIALIZED (
     SELECT session_id, pool, token FROM {ns}.seat
-    WHERE session_id = ANY (ARRAY(SELECT id FROM ended))
+    WHERE session_id = ANY (ARRAY(SELECT id FROM ended)) AND EXISTS (SELECT 1 FROM {ns}.seat)
 ),
 jobs AS (
     UPDATE {ns}.job j SET
