@@ -992,9 +992,11 @@ async fn expired_sessions_with_locks(h: &Harness, n: i64) {
 
 /// The mass-expiry figure: `cargo test --release --lib reaper_keeps_up -- --ignored
 /// --nocapture`. 100 000 expired sessions with one lock each, freed by the reaper (audit
-/// events, job settling and all) against a plain batched cascading DELETE of the same rows
-/// on the same tables; each side's best of three, interleaved, so that load from elsewhere
-/// on the machine weighs on both alike.
+/// events, job settling and all) against a plain batched DELETE of the same rows on the same
+/// tables (whose cascade, since schema 7, is the schema's set-based trigger; the raw design
+/// with a foreign key is `reaper_pass_profile`'s and `benches/compare`'s baseline); each
+/// side's best of three, interleaved, so that load from elsewhere on the machine weighs on
+/// both alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a benchmark: about two minutes"]
 async fn reaper_keeps_up_with_a_plain_cascading_delete() {
