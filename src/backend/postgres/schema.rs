@@ -71,15 +71,24 @@ END $$;
 CREATE TRIGGER sessions_deleted AFTER DELETE ON {ns}.session
     REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION {ns}.sessions_deleted();
 
--- The reference check of a lock or seat written (AFTER, as a foreign key's): its session
--- exists, and stays until this transaction ends. Per row, where the cascade is per
--- statement: a grant is written one at a time, and a row trigger costs about what a foreign
--- key's check does, where a statement trigger's transition table cost half as much again.
+-- The reference check of a lock, seat or claim written (AFTER, as a foreign key's): the
+-- session it names exists, and stays until this transaction ends. Per row, where the
+-- cascade is per statement: grants are written one at a time, and a row trigger costs about
+-- what a foreign key's check does, where a statement trigger's transition table cost half as
+-- much again. (PL/pgSQL compiles a trigger function once per table, so each table's branch
+-- only names its own column.)
 CREATE FUNCTION {ns}.holder_exists() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    holder uuid;
 BEGIN
-    PERFORM 1 FROM {ns}.session s WHERE s.id = NEW.session_id FOR KEY SHARE;
+    IF TG_TABLE_NAME = 'job' THEN
+        holder := NEW.claim_session;
+    ELSE
+        holder := NEW.session_id;
+    END IF;
+    PERFORM 1 FROM {ns}.session s WHERE s.id = holder FOR KEY SHARE;
     IF NOT FOUND THEN
-        RAISE EXCEPTION 'a grant names a session that does not exist'
+        RAISE EXCEPTION '% names session %, which does not exist', TG_TABLE_NAME, holder
             USING ERRCODE = 'foreign_key_violation';
     END IF;
     RETURN NULL;
@@ -88,24 +97,14 @@ CREATE TRIGGER lock_holder_exists AFTER INSERT ON {ns}.lock
     FOR EACH ROW EXECUTE FUNCTION {ns}.holder_exists();
 CREATE TRIGGER seat_holder_exists AFTER INSERT ON {ns}.seat
     FOR EACH ROW EXECUTE FUNCTION {ns}.holder_exists();
-
--- The same for a job's claimant, only when one is written (a claim, not a settle or finish).
-CREATE FUNCTION {ns}.claimant_exists() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM 1 FROM {ns}.session s WHERE s.id = NEW.claim_session FOR KEY SHARE;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'a job names a claiming session that does not exist'
-            USING ERRCODE = 'foreign_key_violation';
-    END IF;
-    RETURN NULL;
-END $$;
+-- A job's claimant only when one is written (a claim, not a settle or a finish).
 CREATE TRIGGER job_claimant_inserted AFTER INSERT ON {ns}.job
     FOR EACH ROW WHEN (NEW.claim_session IS NOT NULL)
-    EXECUTE FUNCTION {ns}.claimant_exists();
+    EXECUTE FUNCTION {ns}.holder_exists();
 CREATE TRIGGER job_claimant_updated AFTER UPDATE OF claim_session ON {ns}.job
     FOR EACH ROW WHEN (NEW.claim_session IS NOT NULL
                        AND NEW.claim_session IS DISTINCT FROM OLD.claim_session)
-    EXECUTE FUNCTION {ns}.claimant_exists();
+    EXECUTE FUNCTION {ns}.holder_exists();
 "#;
 
 /// Version 6: the batch calls of concurrent acquires and releases (see `batched`), each built

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use tokio_postgres::error::SqlState;
 
 use super::schema::{self, MigrateError};
 use super::{PgSettings, Postgres, StartError};
@@ -356,9 +357,15 @@ async fn closing_cascades_to_locks_and_seats_with_one_event() {
     h.stop();
 }
 
-/// The SQLSTATE of a refused statement.
-fn sqlstate(e: &tokio_postgres::Error) -> String {
-    e.code().map(|c| c.code().to_string()).unwrap_or_default()
+/// A connection of its own and its backend's process id, to watch it in `pg_stat_activity`.
+async fn connect_watched() -> (tokio_postgres::Client, i32) {
+    let c = connect().await;
+    let pid = c
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    (c, pid)
 }
 
 /// Waits until the backend `pid`, running `statement`, waits for a row lock (or gives up after
@@ -443,7 +450,11 @@ async fn the_triggers_keep_every_reference_a_foreign_key_kept() {
         )
         .await
         .unwrap_err();
-    assert_eq!(sqlstate(&refused), "23503", "{refused}");
+    assert_eq!(
+        refused.code(),
+        Some(&SqlState::FOREIGN_KEY_VIOLATION),
+        "{refused}"
+    );
     assert_eq!(h.count("session").await, 1);
     assert_eq!(h.count("lock").await, 1);
 
@@ -455,7 +466,11 @@ async fn the_triggers_keep_every_reference_a_foreign_key_kept() {
         format!("UPDATE {ns}.job SET claim_session = $1"),
     ] {
         let refused = h.admin.execute(&sql, &[&missing]).await.unwrap_err();
-        assert_eq!(sqlstate(&refused), "23503", "{sql}: {refused}");
+        assert_eq!(
+            refused.code(),
+            Some(&SqlState::FOREIGN_KEY_VIOLATION),
+            "{sql}: {refused}"
+        );
     }
     assert_eq!(h.count("lock").await, 1);
     assert_eq!(h.count("seat").await, 0);
@@ -482,12 +497,7 @@ async fn a_grant_racing_the_delete_of_its_session_never_outlives_it() {
     let granter = connect().await;
     granter.batch_execute("BEGIN").await.unwrap();
     granter.execute(&grant, &[&"first", &s.0]).await.unwrap();
-    let deleter = connect().await;
-    let pid: i32 = deleter
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let (deleter, pid) = connect_watched().await;
     let waiting = {
         let delete = delete.clone();
         tokio::spawn(async move { deleter.execute(&delete, &[&s.0]).await })
@@ -502,17 +512,16 @@ async fn a_grant_racing_the_delete_of_its_session_never_outlives_it() {
     let deleter = connect().await;
     deleter.batch_execute("BEGIN").await.unwrap();
     assert_eq!(deleter.execute(&delete, &[&s.0]).await.unwrap(), 1);
-    let granter = connect().await;
-    let pid: i32 = granter
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let (granter, pid) = connect_watched().await;
     let waiting = tokio::spawn(async move { granter.execute(&grant, &[&"second", &s.0]).await });
     until_waiting_for_a_lock(&h.admin, pid, &waiting).await;
     deleter.batch_execute("COMMIT").await.unwrap();
     let refused = waiting.await.unwrap().unwrap_err();
-    assert_eq!(sqlstate(&refused), "23503", "{refused}");
+    assert_eq!(
+        refused.code(),
+        Some(&SqlState::FOREIGN_KEY_VIOLATION),
+        "{refused}"
+    );
     assert_eq!(h.count("lock").await, 0);
     h.assert_consistent().await;
     h.stop();
