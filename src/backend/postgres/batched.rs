@@ -11,14 +11,17 @@
 //! - **Acquires** (first attempts that may take the key; waiting, request ids and ending an
 //!   expired holder keep their own paths) and **releases**: one call of `acquire_many` or
 //!   `release_many` (schema version 6), built on the one-element `acquire` and `release`,
-//!   each element answered as alone. An element answered `busy` is sent alone.
+//!   each element answered as alone. An element answered `busy` is sent alone. Since schema
+//!   version 8 a batch writes its elements' audit events together at its end, numbered when
+//!   the numbering lock is free (`log_events`), instead of each unnumbered and numbered later.
 //!
 //! **No deadlock.** A batch statement never waits for a lock another transaction holds: the
 //! heartbeat skips locked session rows, and the lock functions take every lock an element
 //! needs without waiting first (`pg_try_advisory_xact_lock`, `SKIP LOCKED`), answering
-//! `busy` when one is held. So a batch is in no wait cycle, whatever the order in which
-//! concurrent batches (of this node or another) and other transactions take key locks and
-//! row locks, and no element waits for another element's lock: the locks an element takes
+//! `busy` when one is held; the numbering lock at the batch's end is only tried too. So a
+//! batch is in no wait cycle, whatever the order in which concurrent batches (of this node
+//! or another) and other transactions take key locks and row locks, and no element waits
+//! for another element's lock: the locks an element takes
 //! belong to the batch's transaction, which holds them already for the next element. Any
 //! batch may therefore run beside any other, and several of a kind are in flight at once.
 //!
@@ -75,7 +78,7 @@ const ACQUIRE_MANY: &str = "
 SELECT answer, granted, revision, held FROM {ns}.acquire_many($1, $2::text[], $3::uuid[], $4)";
 
 const RELEASE_MANY: &str =
-    "SELECT answer, revision FROM {ns}.release_many($1::text[], $2::uuid[], $3::bigint[])";
+    "SELECT answer, revision FROM {ns}.release_many($1, $2::text[], $3::uuid[], $4::bigint[])";
 
 type Heartbeat = (SessionId, Option<i64>);
 type Acquire = (SessionId, LockKey);
@@ -271,7 +274,7 @@ impl Postgres {
         let sids: Vec<Uuid> = batch.iter().map(|(id, _, _)| id.0).collect();
         let tokens: Vec<i64> = batch.iter().map(|(_, _, t)| t.0 as i64).collect();
         let rows = match self
-            .send_batch(RELEASE_MANY, &[&keys, &sids, &tokens])
+            .send_batch(RELEASE_MANY, &[&self.class(), &keys, &sids, &tokens])
             .await
         {
             Sent::Rows(rows) if rows.len() == batch.len() => rows.into_iter().map(Some).collect(),

@@ -1676,6 +1676,25 @@ async fn concurrent_calls_batched_through_one_node_each_get_their_own_answer() {
         }
     }
     assert_eq!(h.count("lock").await, 0);
+    // Every grant and release is in the audit log once, numbered without a gap, each release
+    // after its grant, whether its batch numbered it or the numbering did.
+    let events = h.events().await;
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
+    let mut at = std::collections::HashMap::new();
+    for e in &events {
+        if matches!(e.kind, EventKind::LockAcquired | EventKind::LockReleased) {
+            let first = at.insert(
+                (e.token.unwrap().0, e.kind == EventKind::LockAcquired),
+                e.seq,
+            );
+            assert!(first.is_none(), "twice in the log: {e:?}");
+        }
+    }
+    assert_eq!(at.len(), 800);
+    for token in grants.values().flatten() {
+        assert!(at[&(*token, true)] < at[&(*token, false)], "token {token}");
+    }
     let largest = &h.pg.inner.batches.largest;
     for (kind, n) in ["heartbeats", "acquires", "releases"].iter().zip(largest) {
         let n = n.load(std::sync::atomic::Ordering::Relaxed);
@@ -1748,4 +1767,136 @@ async fn a_batch_element_whose_lock_is_held_elsewhere_is_busy_not_waiting() {
     tx.rollback().await.unwrap();
     assert_eq!(h.count("lock").await, 1);
     h.stop();
+}
+
+/// The audit log as (seq, kind, key), numbered events first.
+async fn event_log(
+    c: &tokio_postgres::Client,
+    ns: &str,
+) -> Vec<(Option<i64>, String, Option<String>)> {
+    let sql = format!("SELECT seq, kind, key FROM {ns}.event ORDER BY seq NULLS LAST, id");
+    c.query(&sql, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// A batch writes its elements' events at its end: numbered in place, after the committed
+/// backlog, when the numbering lock is free; unnumbered, without waiting, when another
+/// transaction holds it, for the next numbering. The calls of older builds (`acquire` with
+/// five arguments, `release` with three) still write their events. No node runs here, so
+/// nothing numbers in the background.
+#[tokio::test]
+async fn a_batch_numbers_its_events_after_the_backlog_or_leaves_them_unnumbered() {
+    let schema = Schema::new();
+    let mut c = connect().await;
+    schema::migrate(&mut c, &schema.0).await.unwrap();
+    // A regression that waits for the numbering lock fails here rather than hangs.
+    c.batch_execute("SET statement_timeout = '10s'")
+        .await
+        .unwrap();
+    let ns = format!("\"{}\"", schema.0);
+    let class = schema::lock_class(&schema.0);
+    let (a, b) = (uuid::Uuid::from_u128(0xa), uuid::Uuid::from_u128(0xb));
+    c.batch_execute(&format!(
+        "INSERT INTO {ns}.session (id, owner, ttl_ms, expires_at)
+         SELECT id, 'o', 60000, {ns}.db_now() + interval '60 seconds'
+         FROM unnest(ARRAY['{a}', '{b}']::uuid[]) AS id;
+         INSERT INTO {ns}.event (kind, session_id) VALUES ('session_opened', '{a}');"
+    ))
+    .await
+    .unwrap();
+    let ev = |seq: Option<i64>, kind: &str, key: Option<&str>| {
+        (seq, kind.to_string(), key.map(str::to_string))
+    };
+
+    let rows = c
+        .query(
+            &format!(
+                "SELECT answer, granted FROM {ns}.acquire_many($1, $2::text[], $3::uuid[], 8)"
+            ),
+            &[&class, &vec!["k1", "k2"], &vec![a, b]],
+        )
+        .await
+        .unwrap();
+    let answers: Vec<&str> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(answers, ["granted", "granted"]);
+    let tokens: Vec<i64> = rows.iter().map(|r| r.get(1)).collect();
+    assert_eq!(
+        event_log(&c, &ns).await,
+        [
+            ev(Some(1), "session_opened", None),
+            ev(Some(2), "lock_acquired", Some("k1")),
+            ev(Some(3), "lock_acquired", Some("k2")),
+        ]
+    );
+
+    // The numbering lock held elsewhere: the releases neither wait nor number.
+    let mut other = connect().await;
+    let tx = other.transaction().await.unwrap();
+    tx.execute("SELECT pg_advisory_xact_lock($1, 3)", &[&class])
+        .await
+        .unwrap();
+    let rows = c
+        .query(
+            &format!(
+                "SELECT answer FROM {ns}.release_many($1, $2::text[], $3::uuid[], $4::bigint[])"
+            ),
+            &[&class, &vec!["k1", "k2"], &vec![a, b], &tokens],
+        )
+        .await
+        .unwrap();
+    let answers: Vec<&str> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(answers, ["released", "released"]);
+    let events = event_log(&c, &ns).await;
+    assert_eq!(
+        events[3..],
+        [
+            ev(None, "lock_released", Some("k1")),
+            ev(None, "lock_released", Some("k2")),
+        ]
+    );
+    tx.rollback().await.unwrap();
+
+    // An older build's calls, one element each, write their events unnumbered.
+    let granted: i64 = c
+        .query_one(
+            &format!("SELECT granted FROM {ns}.acquire($1, 'k3', $2, true, 8)"),
+            &[&class, &a],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let answer: String = c
+        .query_one(
+            &format!("SELECT answer FROM {ns}.release('k3', $1, $2)"),
+            &[&a, &granted],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(answer, "released");
+    c.query_one(
+        &format!("SELECT {ns}.number_events($1, true, 100)"),
+        &[&class],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        event_log(&c, &ns).await[3..],
+        [
+            ev(Some(4), "lock_released", Some("k1")),
+            ev(Some(5), "lock_released", Some("k2")),
+            ev(Some(6), "lock_acquired", Some("k3")),
+            ev(Some(7), "lock_released", Some("k3")),
+        ]
+    );
+    let counter: i64 = c
+        .query_one(&format!("SELECT last FROM {ns}.event_counter"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(counter, 7);
 }
