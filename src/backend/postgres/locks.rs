@@ -30,7 +30,7 @@ FROM (SELECT 1) AS one LEFT JOIN {ns}.lock l ON l.key = $1";
 
 /// One attempt in one statement: see `acquire` in the schema's second migration.
 const ACQUIRE: &str =
-    "SELECT answer, granted, revision, held FROM {ns}.acquire($1, $2, $3, $4, $5, true)";
+    "SELECT answer, granted, revision, held FROM {ns}.acquire($1, $2, $3, $4, $5, false)";
 
 const HOLDER: &str = "SELECT session_id FROM {ns}.lock WHERE key = $1";
 
@@ -48,7 +48,7 @@ SELECT token FROM g";
 
 /// One release in one statement: see `release` in the schema's fifth migration (`MIGRATION_RELEASE`). The free
 /// key is announced to other nodes after the commit (see `Postgres::announce`).
-const RELEASE: &str = "SELECT answer, revision FROM {ns}.release($1, $2, $3, true)";
+const RELEASE: &str = "SELECT answer, revision FROM {ns}.release($1, $2, $3, false)";
 
 /// Releases key $1 if the live session $2 holds it with token $3, as one statement inside a
 /// caller's transaction (a release with a request id, whose answer is recorded in the same

@@ -26,8 +26,9 @@ const MIGRATIONS: &[&str] = &[
     MIGRATION_BATCH_EVENTS,
 ];
 
-/// Version 8: a batch call writes its elements' audit events once, numbered, at its end; and
-/// an acquire counts the caller's locks by a plain index scan. Replaces functions only.
+/// Version 8: a batch call writes its elements' audit events once, numbered, at its end;
+/// each element runs fewer statements; and an acquire counts the caller's locks by a plain
+/// index scan. Replaces and adds functions only.
 ///
 /// **Events.** Each element of `acquire_many` and `release_many` used to insert its event
 /// unnumbered, and the numbering rewrote it later: two writes of the row, one entry in each
@@ -43,6 +44,15 @@ const MIGRATIONS: &[&str] = &[
 /// queued for it (tried, with a 5 ms limit) did 0.8× the pairs of batches that do not wait,
 /// though they numbered 90% of their events in place against half.
 ///
+/// **Fewer statements.** Each statement a plpgsql function runs pays for its executor's
+/// start and end, a fifth of the database's time under lock churn (`perf`). The one-element
+/// `acquire` and `release` gain a `batched` argument that does, in the same statements,
+/// what the batch calls did before calling them: try the key's advisory lock and the
+/// session's row (acquire) or the lock row (release, whose delete now locks its row with
+/// `SKIP LOCKED` itself), answering `busy`. The acquire reads the key's holder and the
+/// caller's lock count in one statement. Driven by `pgbench` with 4 clients calling batches
+/// of 16 directly, this cut the database's CPU per lock pair from 160–162 µs to 114–140 µs.
+///
 /// **The count.** The per-session limit counts the caller's locks through `lock_session_idx`.
 /// Lock rows churn, and the planner chose a bitmap scan, which visits every dead entry of the
 /// session's locks on each acquire and never marks one dead; a plain index scan marks them as
@@ -50,10 +60,13 @@ const MIGRATIONS: &[&str] = &[
 /// (`pg_stat_user_functions`), this halved the time of each `acquire`.
 const MIGRATION_BATCH_EVENTS: &str = r#"
 -- One attempt to acquire key `k` for session `sid`, as version 2's `acquire` (see there for
--- the answers and the locks), writing its `lock_acquired` event only when `log` is true: a
--- batch writes its elements' events itself (`log_events`).
+-- the answers and the locks). `batched`: an element of `acquire_many`, which must never wait
+-- and writes the events of its elements itself (`log_events`): the key's advisory lock and
+-- the session's row are only tried, and `busy` answered when either is held elsewhere (or
+-- the session has no row: the node then sends the attempt alone, which says gone); no event
+-- is written. Otherwise it waits for both and writes its `lock_acquired` event.
 CREATE FUNCTION {ns}.acquire(lock_class integer, k text, sid uuid, may_take boolean,
-                             max_locks bigint, log boolean,
+                             max_locks bigint, batched boolean,
                              OUT answer text, OUT granted bigint, OUT revision bigint,
                              OUT held bigint)
     LANGUAGE plpgsql SET enable_bitmapscan = off AS $$
@@ -62,20 +75,38 @@ DECLARE
     holder uuid;
     holder_token bigint;
     holder_live boolean;
+    mine bigint;
 BEGIN
-    PERFORM pg_advisory_xact_lock(lock_class, hashtext(k));
-    SELECT s.expires_at > {ns}.db_now() INTO me_live
-    FROM {ns}.session s WHERE s.id = sid FOR NO KEY UPDATE;
-    IF NOT FOUND THEN
-        answer := 'gone';
-        RETURN;
+    IF batched THEN
+        IF NOT pg_try_advisory_xact_lock(lock_class, hashtext(k)) THEN
+            answer := 'busy';
+            RETURN;
+        END IF;
+        SELECT s.expires_at > {ns}.db_now() INTO me_live
+        FROM {ns}.session s WHERE s.id = sid FOR NO KEY UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            answer := 'busy';
+            RETURN;
+        END IF;
+    ELSE
+        PERFORM pg_advisory_xact_lock(lock_class, hashtext(k));
+        SELECT s.expires_at > {ns}.db_now() INTO me_live
+        FROM {ns}.session s WHERE s.id = sid FOR NO KEY UPDATE;
+        IF NOT FOUND THEN
+            answer := 'gone';
+            RETURN;
+        END IF;
     END IF;
     IF NOT me_live THEN
         answer := 'expired';
         RETURN;
     END IF;
-    SELECT l.session_id, l.token INTO holder, holder_token FROM {ns}.lock l WHERE l.key = k;
-    IF FOUND THEN
+    -- The key's holder and the caller's count in one statement: a grant needs both.
+    SELECT l.session_id, l.token,
+           (SELECT count(*) FROM {ns}.lock c WHERE c.session_id = sid)
+    INTO holder, holder_token, mine
+    FROM (VALUES (1)) AS one LEFT JOIN {ns}.lock l ON l.key = k;
+    IF holder IS NOT NULL THEN
         IF holder = sid THEN
             answer := 'own';
             granted := holder_token;
@@ -92,7 +123,7 @@ BEGIN
         answer := 'behind';
         RETURN;
     END IF;
-    SELECT count(*) INTO held FROM {ns}.lock l WHERE l.session_id = sid;
+    held := mine;
     IF held >= max_locks THEN
         answer := 'too_many';
         RETURN;
@@ -100,7 +131,7 @@ BEGIN
     INSERT INTO {ns}.lock (key, session_id, token)
     VALUES (k, sid, nextval('{ns}.revision'))
     RETURNING token INTO granted;
-    IF log THEN
+    IF NOT batched THEN
         INSERT INTO {ns}.event (kind, session_id, key, token)
         VALUES ('lock_acquired', sid, k, granted);
     END IF;
@@ -114,28 +145,50 @@ CREATE OR REPLACE FUNCTION {ns}.acquire(lock_class integer, k text, sid uuid, ma
                                         OUT answer text, OUT granted bigint,
                                         OUT revision bigint, OUT held bigint)
     LANGUAGE sql AS $$
-    SELECT * FROM {ns}.acquire(lock_class, k, sid, may_take, max_locks, true)
+    SELECT * FROM {ns}.acquire(lock_class, k, sid, may_take, max_locks, false)
 $$;
 
--- The release of version 5 (see there), writing its `lock_released` event only when `log`.
-CREATE FUNCTION {ns}.release(k text, sid uuid, tok bigint, log boolean,
+-- The release of version 5 (see there for the answers and why the session row is not
+-- locked). `batched`: an element of `release_many`, which must never wait and writes the
+-- events of its elements itself: the key's lock row is only tried, and `busy` answered
+-- when another transaction holds it (a concurrent end of its session, or release); no
+-- event is written. A key without a row has nothing to wait for: a row committed meanwhile
+-- carries a new token, which the delete's condition refuses before it would lock it.
+CREATE FUNCTION {ns}.release(k text, sid uuid, tok bigint, batched boolean,
                              OUT answer text, OUT revision bigint)
     LANGUAGE plpgsql AS $$
 DECLARE
     live boolean;
 BEGIN
-    DELETE FROM {ns}.lock l
-    WHERE l.key = k AND l.session_id = sid AND l.token = tok
-      AND EXISTS (SELECT 1 FROM {ns}.session s
-                  WHERE s.id = sid AND s.expires_at > {ns}.db_now());
+    IF batched THEN
+        DELETE FROM {ns}.lock l
+        WHERE l.ctid = (SELECT t.ctid FROM {ns}.lock t WHERE t.key = k FOR UPDATE SKIP LOCKED)
+          AND l.session_id = sid AND l.token = tok
+          AND EXISTS (SELECT 1 FROM {ns}.session s
+                      WHERE s.id = sid AND s.expires_at > {ns}.db_now());
+    ELSE
+        DELETE FROM {ns}.lock l
+        WHERE l.key = k AND l.session_id = sid AND l.token = tok
+          AND EXISTS (SELECT 1 FROM {ns}.session s
+                      WHERE s.id = sid AND s.expires_at > {ns}.db_now());
+    END IF;
     IF FOUND THEN
         revision := nextval('{ns}.revision');
-        IF log THEN
+        IF NOT batched THEN
             INSERT INTO {ns}.event (kind, session_id, key, token)
             VALUES ('lock_released', sid, k, tok);
         END IF;
         answer := 'released';
         RETURN;
+    END IF;
+    -- Nothing released: busy if the key's row is held elsewhere (tried again, since the
+    -- delete does not say why it found nothing).
+    IF batched THEN
+        PERFORM 1 FROM {ns}.lock t WHERE t.key = k FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND AND EXISTS (SELECT 1 FROM {ns}.lock t WHERE t.key = k) THEN
+            answer := 'busy';
+            RETURN;
+        END IF;
     END IF;
     SELECT s.expires_at > {ns}.db_now() INTO live FROM {ns}.session s WHERE s.id = sid;
     answer := CASE WHEN live IS NULL THEN 'gone'
@@ -146,7 +199,7 @@ END $$;
 CREATE OR REPLACE FUNCTION {ns}.release(k text, sid uuid, tok bigint,
                                         OUT answer text, OUT revision bigint)
     LANGUAGE sql AS $$
-    SELECT * FROM {ns}.release(k, sid, tok, true)
+    SELECT * FROM {ns}.release(k, sid, tok, false)
 $$;
 
 -- Writes one event of `kind` per element of `sids`, `keys` and `toks` (in step), in that
@@ -179,7 +232,8 @@ BEGIN
     END IF;
 END $$;
 
--- As version 6's, with the events written together at the end (`log_events`).
+-- As version 6's, each element by the batched `acquire`, the events written together at the
+-- end (`log_events`).
 CREATE OR REPLACE FUNCTION {ns}.acquire_many(lock_class integer, keys text[], sids uuid[],
                                              max_locks bigint)
     RETURNS TABLE (answer text, granted bigint, revision bigint, held bigint)
@@ -190,27 +244,22 @@ DECLARE
     ev_toks bigint[] := '{}';
 BEGIN
     FOR i IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
-        answer := 'busy'; granted := NULL; revision := NULL; held := NULL;
-        IF pg_try_advisory_xact_lock(lock_class, hashtext(keys[i])) THEN
-            PERFORM 1 FROM {ns}.session s WHERE s.id = sids[i] FOR NO KEY UPDATE SKIP LOCKED;
-            IF FOUND THEN
-                SELECT a.answer, a.granted, a.revision, a.held
-                INTO answer, granted, revision, held
-                FROM {ns}.acquire(lock_class, keys[i], sids[i], true, max_locks, false) a;
-                IF answer = 'granted' THEN
-                    ev_sids := ev_sids || sids[i];
-                    ev_keys := ev_keys || keys[i];
-                    ev_toks := ev_toks || granted;
-                END IF;
-            END IF;
+        SELECT a.answer, a.granted, a.revision, a.held
+        INTO answer, granted, revision, held
+        FROM {ns}.acquire(lock_class, keys[i], sids[i], true, max_locks, true) a;
+        IF answer = 'granted' THEN
+            ev_sids := ev_sids || sids[i];
+            ev_keys := ev_keys || keys[i];
+            ev_toks := ev_toks || granted;
         END IF;
         RETURN NEXT;
     END LOOP;
     PERFORM {ns}.log_events(lock_class, 'lock_acquired', ev_sids, ev_keys, ev_toks);
 END $$;
 
--- As version 6's, with the events written together at the end (`log_events`). The old
--- form had no lock class; the numbering lock needs it, hence the new first argument.
+-- As version 6's, each element by the batched `release`, the events written together at the
+-- end (`log_events`). The old form had no lock class; the numbering lock needs it, hence the
+-- new first argument. The old form stays for older nodes.
 CREATE FUNCTION {ns}.release_many(lock_class integer, keys text[], sids uuid[],
                                   toks bigint[])
     RETURNS TABLE (answer text, revision bigint)
@@ -221,16 +270,12 @@ DECLARE
     ev_toks bigint[] := '{}';
 BEGIN
     FOR i IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
-        answer := 'busy'; revision := NULL;
-        PERFORM 1 FROM {ns}.lock l WHERE l.key = keys[i] FOR UPDATE SKIP LOCKED;
-        IF FOUND OR NOT EXISTS (SELECT 1 FROM {ns}.lock l WHERE l.key = keys[i]) THEN
-            SELECT r.answer, r.revision INTO answer, revision
-            FROM {ns}.release(keys[i], sids[i], toks[i], false) r;
-            IF answer = 'released' THEN
-                ev_sids := ev_sids || sids[i];
-                ev_keys := ev_keys || keys[i];
-                ev_toks := ev_toks || toks[i];
-            END IF;
+        SELECT r.answer, r.revision INTO answer, revision
+        FROM {ns}.release(keys[i], sids[i], toks[i], true) r;
+        IF answer = 'released' THEN
+            ev_sids := ev_sids || sids[i];
+            ev_keys := ev_keys || keys[i];
+            ev_toks := ev_toks || toks[i];
         END IF;
         RETURN NEXT;
     END LOOP;
