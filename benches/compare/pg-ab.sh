@@ -5,7 +5,8 @@
 # all driven by the same driver (`leasehold-compare`, as `run.sh` does). A fresh namespace per
 # run, so no run inherits the dead rows or the audit log of another (the raw tables are
 # recreated per run too). Prints one JSON line per run with "name", "binary" and "loadavg"
-# (1, 5 and 15 minutes, as the run ends) fields.
+# (1, 5 and 15 minutes, as the run ends) fields, and for lock churn and heartbeats the CPU the
+# database ("pg_cpu_us_per_op") and the node ("node_cpu_us_per_op") spent per operation.
 #
 #   benches/compare/pg-ab.sh OLD_BINARY NEW_BINARY
 #
@@ -60,9 +61,44 @@ stop() {
     wait "$pid" 2>/dev/null || true
     pid=""
 }
+# CPU seconds the PostgreSQL cluster has used: its live processes and the children its
+# postmaster has reaped.
+pg_cpu() {
+    python3 - <<'PY'
+import os
+tck = os.sysconf("SC_CLK_TCK")
+total = 0
+for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if open(f"/proc/{p}/comm").read().strip() != "postgres":
+            continue
+        f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        total += int(f[11]) + int(f[12])
+        if open(f"/proc/{f[1]}/comm").read().strip() != "postgres":
+            total += int(f[13]) + int(f[14])
+    except OSError:
+        pass
+print(total / tck)
+PY
+}
+# CPU seconds of process $1.
+proc_cpu() {
+    python3 -c "import os,sys; f=open(f'/proc/{sys.argv[1]}/stat').read().rsplit(')',1)[1].split(); print((int(f[11])+int(f[12]))/os.sysconf('SC_CLK_TCK'))" "$1"
+}
 label() {
     # The load average as the run ends: on a shared machine it says how far to trust a ratio.
-    python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['name']=sys.argv[1]; r['binary']=sys.argv[2]; r['loadavg']=open('/proc/loadavg').read().split()[:3]; print(json.dumps(r))" "$1" "$2"
+    # $3 and $4: the database's and the node's CPU seconds over the run (warm-up included),
+    # reported per operation over the warm-up and the measured seconds alike.
+    python3 -c "
+import json, sys
+r = json.loads(sys.stdin.read())
+r['name'], r['binary'] = sys.argv[1], sys.argv[2]
+r['loadavg'] = open('/proc/loadavg').read().split()[:3]
+ops = r.get('ops_per_s', 0) * (r.get('seconds', 0) + 2)
+for field, cpu in (('pg_cpu_us_per_op', sys.argv[3]), ('node_cpu_us_per_op', sys.argv[4])):
+    if cpu != '-' and ops > 0 and r.get('workload') != 'mass-expiry':
+        r[field] = round(float(cpu) / ops * 1e6, 1)
+print(json.dumps(r))" "$1" "$2" "$3" "$4"
 }
 args() {
     case "$1" in
@@ -73,16 +109,21 @@ args() {
 
 for workload in $workloads; do
     echo "== $workload: raw PostgreSQL tables" >&2
+    before="$(pg_cpu)"
     # shellcheck disable=SC2046
-    "$compare" "postgres=$pg" "$workload" $(args "$workload") | label "PostgreSQL" "-"
+    out="$("$compare" "postgres=$pg" "$workload" $(args "$workload"))"
+    label "PostgreSQL" "-" "$(python3 -c "print($(pg_cpu) - $before)")" "-" <<<"$out"
     for which in old new; do
         bin="$old"
         [ "$which" = new ] && bin="$new"
         echo "== $workload: Leasehold on PostgreSQL, $which" >&2
         start "$bin"
+        before="$(pg_cpu)"
+        node_before="$(proc_cpu "$pid")"
         # shellcheck disable=SC2046
-        "$compare" "leasehold=http://127.0.0.1:$port" "$workload" $(args "$workload") |
-            label "Leasehold on PostgreSQL" "$which"
+        out="$("$compare" "leasehold=http://127.0.0.1:$port" "$workload" $(args "$workload"))"
+        label "Leasehold on PostgreSQL" "$which" "$(python3 -c "print($(pg_cpu) - $before)")" \
+            "$(python3 -c "print($(proc_cpu "$pid") - $node_before)")" <<<"$out"
         stop
     done
 done
