@@ -51,8 +51,13 @@ use crate::backend::{BackendError, Beat, Granted, Result};
 use crate::domain::{LockKey, SessionId, Token};
 
 /// Statements of one kind unanswered at once: enough that the database never waits for
-/// the node between two, few enough that requests queue behind them and go together.
-const IN_FLIGHT: usize = 4;
+/// the node between two, few enough that requests queue behind them and go together. With
+/// four, under lock churn at 64 clients a free slot took most requests alone, and the
+/// database spent 1.4-1.5× the CPU a pair it spends with two (284-311 µs against 196-224 µs;
+/// from `pg-ab.sh`'s accounting). One did as well as two on this two-core machine (4 585-5 734
+/// pairs/s against 4 522-4 542), but leaves the database idle while the node gathers the
+/// next batch and runs each kind on one connection of a node, whatever the database's cores.
+const IN_FLIGHT: usize = 2;
 /// The most requests one statement carries, so a batch holds its locks a bounded time.
 const MAX_BATCH: usize = 256;
 
