@@ -4,9 +4,12 @@
 //! layer answers it. The handlers are the router's own; only the way to them is shorter.
 //!
 //! Invariant: a request takes this way only when the match is certain to pick the route the
-//! router would (a plain segment: not empty, no `/`, no percent-escape to decode); anything
-//! else goes to the router. Both ways give the same statuses, bodies and metric series.
+//! router would (one segment: not empty, no `/`) and its parameter decodes as the router's
+//! would (percent-escapes decoding to UTF-8, as `Path` decodes them); anything else goes to
+//! the router. Both ways give the same statuses, bodies and metric series. Keys with a `/`
+//! (escaped as `%2F`, the usual shape of a namespaced key) take this way too.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::task::Poll;
@@ -19,6 +22,7 @@ use hyper::body::Incoming;
 use tower_http::catch_panic::{DefaultResponseForPanic, ResponseForPanic};
 
 use super::AppState;
+use super::error::ApiError;
 use super::extract::{BodyLimit, KeyPath, SessionPath, read_json};
 use super::gate::Caller;
 use crate::auth::Scope;
@@ -42,11 +46,13 @@ pub fn route(method: &Method, path: &str) -> Option<Route> {
     if *method != Method::POST {
         return None;
     }
-    // One plain segment between `prefix` and `suffix`: its start and end in `path`.
+    // One segment between `prefix` and `suffix` whose escapes decode to UTF-8: its start and
+    // end in `path`. A segment that does not decode goes to the router, which refuses it.
     let param = |prefix: &str, suffix: &str| -> Option<(usize, usize)> {
         let rest = path.strip_prefix(prefix)?.strip_suffix(suffix)?;
-        let plain = !rest.is_empty() && !rest.bytes().any(|b| b == b'/' || b == b'%');
-        plain.then_some((prefix.len(), prefix.len() + rest.len()))
+        let one = !rest.is_empty() && !rest.contains('/');
+        let decodes = !rest.contains('%') || decoded(rest).is_some();
+        (one && decodes).then_some((prefix.len(), prefix.len() + rest.len()))
     };
     if let Some((a, b)) = param("/v1/sessions/", "/heartbeat") {
         return Some(Route::Heartbeat(a, b));
@@ -58,6 +64,30 @@ pub fn route(method: &Method, path: &str) -> Option<Route> {
         return Some(Route::Release(a, b));
     }
     None
+}
+
+/// A path parameter percent-decoded as the router's `Path` decodes it; `None` when the
+/// result is not UTF-8.
+fn decoded(text: &str) -> Option<Cow<'_, str>> {
+    percent_encoding::percent_decode_str(text)
+        .decode_utf8()
+        .ok()
+}
+
+/// The parameter at `a..b` of `path`, decoded. [`route`] only matched it if it decodes, so
+/// the error is for a caller that skipped it.
+fn decoded_param<'p>(
+    path: &'p str,
+    a: usize,
+    b: usize,
+    field: &'static str,
+) -> Result<Cow<'p, str>, ApiError> {
+    decoded(&path[a..b]).ok_or_else(|| {
+        ApiError::invalid(
+            field,
+            format!("path parameter {field}: not valid UTF-8 once percent-decoded"),
+        )
+    })
 }
 
 /// The state of the hot routes: the router's, the body limit of their routes, and one
@@ -101,7 +131,8 @@ impl Hot {
             ),
             Route::Heartbeat(a, b) => {
                 let answer = async {
-                    let id = SessionId::parse("session_id", &path[a..b])?;
+                    let id =
+                        SessionId::parse("session_id", &decoded_param(path, a, b, "session_id")?)?;
                     let body = read_json(body, self.body).await?;
                     super::sessions::heartbeat(app(), caller, SessionPath(id), body).await
                 };
@@ -109,7 +140,8 @@ impl Hot {
             }
             Route::Acquire(a, b) => {
                 let answer = async {
-                    let key = KeyPath::parse("key", Scope::Key, &path[a..b], Some(&caller))?;
+                    let text = decoded_param(path, a, b, "key")?;
+                    let key = KeyPath::parse("key", Scope::Key, &text, Some(&caller))?;
                     let body = read_json(body, self.body).await?;
                     super::locks::acquire(app(), caller, key, body).await
                 };
@@ -117,7 +149,8 @@ impl Hot {
             }
             Route::Release(a, b) => {
                 let answer = async {
-                    let key = KeyPath::parse("key", Scope::Key, &path[a..b], Some(&caller))?;
+                    let text = decoded_param(path, a, b, "key")?;
+                    let key = KeyPath::parse("key", Scope::Key, &text, Some(&caller))?;
                     let body = read_json(body, self.body).await?;
                     super::locks::release(app(), caller, key, body).await
                 };
@@ -174,6 +207,16 @@ mod tests {
             Some(Route::Release(10, 11))
         );
         assert_eq!(route(&Method::GET, "/healthz"), Some(Route::Healthz));
+        // Escapes that decode to UTF-8, a `/` among them, are one segment the router's way.
+        assert_eq!(
+            route(&post, "/v1/locks/a%2Fb/acquire"),
+            Some(Route::Acquire(10, 15))
+        );
+        assert_eq!(
+            route(&post, "/v1/locks/%E6%95%B0/release"),
+            Some(Route::Release(10, 19))
+        );
+        assert_eq!(decoded_param("/x/a%2Fb", 3, 8, "key").unwrap(), "a/b");
         for (m, p) in [
             (&Method::GET, hb),
             (&Method::HEAD, "/healthz"),
@@ -181,7 +224,7 @@ mod tests {
             (&post, "/v1/sessions//heartbeat"),
             (&post, "/v1/sessions/a/b/heartbeat"),
             (&post, "/v1/sessions/abc/heartbeat/"),
-            (&post, "/v1/locks/a%2Fb/acquire"),
+            (&post, "/v1/locks/%FF%FE/acquire"),
             (&post, "/v1/locks/a/b/release"),
             (&post, "/v1/locks/acquire"),
             (&Method::GET, "/healthz/"),
