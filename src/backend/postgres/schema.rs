@@ -152,8 +152,8 @@ $$;
 -- locked). `batched`: an element of `release_many`, which must never wait and writes the
 -- events of its elements itself: the key's lock row is only tried, and `busy` answered
 -- when another transaction holds it (a concurrent end of its session, or release); no
--- event is written. A key without a row has nothing to wait for: a row committed meanwhile
--- carries a new token, which the delete's condition refuses before it would lock it.
+-- event is written. The delete takes its row with `SKIP LOCKED` before checking holder and
+-- token, and a key without a row has no row to wait for.
 CREATE FUNCTION {ns}.release(k text, sid uuid, tok bigint, batched boolean,
                              OUT answer text, OUT revision bigint)
     LANGUAGE plpgsql AS $$
