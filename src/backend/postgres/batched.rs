@@ -53,10 +53,11 @@ use crate::domain::{LockKey, SessionId, Token};
 /// Statements of one kind unanswered at once: enough that the database never waits for
 /// the node between two, few enough that requests queue behind them and go together. With
 /// four, under lock churn at 64 clients a free slot took most requests alone, and the
-/// database spent 1.4-1.5× the CPU a pair it spends with two (284-311 µs against 196-224 µs;
-/// from `pg-ab.sh`'s accounting). One did as well as two on this two-core machine (4 585-5 734
-/// pairs/s against 4 522-4 542), but leaves the database idle while the node gathers the
-/// next batch and runs each kind on one connection of a node, whatever the database's cores.
+/// database spent 1.3-1.7× the CPU a pair it spends with two (284-333 µs against 196-224 µs,
+/// read from `/proc` as `pg-ab.sh` reports it). One did as well as two on this two-core
+/// machine (4 585-5 734 pairs/s against 4 522-4 542), but leaves the database idle while the
+/// node gathers the next batch and runs each kind on one connection of a node, whatever the
+/// database's cores.
 const IN_FLIGHT: usize = 2;
 /// The most requests one statement carries, so a batch holds its locks a bounded time.
 const MAX_BATCH: usize = 256;
