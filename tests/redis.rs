@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use leasehold::app::App;
-use leasehold::client::Client;
+use leasehold::client::{Client, Reply};
 use leasehold::clock::SystemClock;
 use leasehold::config::Config;
 use serde_json::{Value, json};
@@ -195,6 +195,105 @@ async fn a_storm_of_expiries_in_big_passes_audits_each_once_and_frees_everything
         text.contains(&format!("sessions: 0\nlocks: 0\nevents: {}\n", paged.len())),
         "{text}"
     );
+
+    // The ended sessions' and released locks' listing entries are left to the background
+    // sweep. Meanwhile the listings skip them, and a page is never cut short by them: the
+    // storm's keys `k…` sort before a live session's `z…`.
+    let live = s.open("live", 600_000).await;
+    for k in ["z1", "z2", "z3"] {
+        take(&s, k, &live).await;
+    }
+    let keys_of = |r: &Reply| -> Vec<String> {
+        r.body["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["key"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let p1 = s.get("/v1/locks?limit=2").await;
+    assert_eq!(keys_of(&p1), ["z1", "z2"], "{}", p1.text);
+    assert_eq!(p1.body["next"], "z2");
+    let p2 = s.get("/v1/locks?limit=2&after=z2").await;
+    assert_eq!(keys_of(&p2), ["z3"], "{}", p2.text);
+    let listed = s.get("/v1/sessions?limit=1").await;
+    assert_eq!(listed.status, 200, "{}", listed.text);
+    let page = listed.body["sessions"].as_array().unwrap();
+    assert_eq!(page.len(), 1, "{}", listed.text);
+    assert_eq!(page[0]["session_id"], live.as_str());
+    assert!(listed.body["next"].is_null(), "{}", listed.text);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_sessions_leave_the_listing_indexes_to_the_background_sweep() {
+    // Guards against the sweep that ends leave their listing entries to: a live entry taken
+    // off (a listing missing a session or a lock), an ended one left for good, or a page cut
+    // short by ended entries before the sweep.
+    let s = TestServer::start_on(BackendKind::Redis, |c| {
+        c.reaper_enabled = true;
+        c.reaper_interval_ms = 50;
+    })
+    .await;
+    let keys = s.keys.as_ref().unwrap();
+    let ns = &keys.namespace;
+    let mut live = Vec::new();
+    for i in 0..20 {
+        let id = s.open("sweep", 600_000).await;
+        take(&s, &format!("k{i:02}"), &id).await;
+        if i % 4 == 0 {
+            live.push((format!("k{i:02}"), id));
+        } else {
+            close(&s, &id).await;
+        }
+    }
+    let zcard = |key: String| {
+        let mut conn = keys.conn.clone();
+        async move {
+            redis::cmd("ZCARD")
+                .arg(key)
+                .query_async::<u64>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let swept = Instant::now();
+    while zcard(format!("{ns}:!sessions")).await != 5 || zcard(format!("{ns}:!lockidx")).await != 5
+    {
+        assert!(
+            swept.elapsed() < Duration::from_secs(30),
+            "the sweep never took the ended entries off"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let lists: u64 = redis::cmd("EXISTS")
+        .arg(format!("{ns}:!stale:sessions"))
+        .arg(format!("{ns}:!stale:locks"))
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(lists, 0, "the sweep's lists are emptied");
+    // What is left listed is exactly the live sessions and their locks.
+    let locks = s.get("/v1/locks").await;
+    let listed: Vec<&str> = locks.body["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    let want: Vec<&str> = live.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(listed, want, "{}", locks.text);
+    let sessions = s.get("/v1/sessions?owner=sweep").await;
+    let mut listed: Vec<&str> = sessions.body["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["session_id"].as_str().unwrap())
+        .collect();
+    listed.sort();
+    let mut want: Vec<&str> = live.iter().map(|(_, id)| id.as_str()).collect();
+    want.sort();
+    assert_eq!(listed, want, "{}", sessions.text);
     s.stop().await;
 }
 

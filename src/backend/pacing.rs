@@ -1,5 +1,5 @@
 //! How many sessions a background reaper pass may end: as many as fit in its share of the
-//! writer's time, learned from the batches so far.
+//! writer's (or the shared store's) time, learned from the passes so far.
 
 use std::time::Duration;
 
@@ -88,15 +88,24 @@ impl PassSizer {
         want.clamp(MIN_PASS.min(self.max), self.max)
     }
 
-    /// Learns from a pass that is the whole of its own cost — one call of its own to a shared
-    /// store, not a share of a batch's commit: `sessions` ended in `took`. Passes that ended
-    /// none say nothing about the cost per session.
-    pub fn observe(&mut self, sessions: usize, took: Duration) {
+    /// Learns from a pass that is one call of its own to a shared store (Redis), not a share
+    /// of a batch's commit: `sessions` ended in `held` of the store's own time, in a call
+    /// that took `round_trip` from the node's side. What the call took beyond `held` — the
+    /// network, the append-only file's sync, the calls queued ahead — every call to that
+    /// store pays anyway, so it is the baseline commit: a pass may hold the store about that
+    /// long, and a store whose sync is slow works a storm off in larger passes instead of
+    /// one sync per few dozen sessions. A live call then waits at most about one more
+    /// baseline for a pass. The pass's own sync grows with its size only by the bytes it
+    /// writes, far less than its work, so the size settles rather than feeding on itself.
+    /// Passes that ended none say nothing about the cost per session.
+    pub fn observe_call(&mut self, sessions: usize, held: Duration, round_trip: Duration) {
         if sessions == 0 {
             return;
         }
-        let sample = took.as_nanos() as f64 / sessions as f64;
+        let sample = held.as_nanos() as f64 / sessions as f64;
         self.per_session_ns = Some(smooth(self.per_session_ns, sample));
+        let beyond = round_trip.saturating_sub(held).as_nanos() as f64;
+        self.commit_ns = Some(smooth(self.commit_ns, beyond));
     }
 
     /// Learns from a batch whose commit took `took`, and the paced pass it carried, if any.
@@ -130,17 +139,53 @@ mod tests {
     }
 
     #[test]
-    fn a_pass_that_is_its_own_cost_is_sized_by_it_alone() {
+    fn a_pass_that_is_its_own_call_is_sized_by_it_and_the_round_trip() {
         let mut s = PassSizer::new(Duration::from_millis(2), 10_000);
-        s.observe(0, Duration::from_secs(1));
+        s.observe_call(0, Duration::from_secs(1), Duration::from_secs(2));
         assert_eq!(
             s.next(),
             MIN_PASS * 4,
             "a pass that ended no one teaches nothing"
         );
-        // 256 sessions held the store for 1 ms: 3.9 µs each, so 2 ms fits 512.
-        s.observe(256, Duration::from_millis(1));
+        // 256 sessions held the store for 1 ms, in a call of 1.5 ms: 3.9 µs each, and the
+        // 0.5 ms beyond is under the configured budget, so 2 ms fits 512.
+        s.observe_call(256, Duration::from_millis(1), Duration::from_micros(1_500));
+        assert_eq!(s.budget(), Duration::from_millis(2));
         assert_eq!(s.next(), 512);
+    }
+
+    #[test]
+    fn a_slow_sync_on_every_call_becomes_the_budget_and_settles() {
+        let mut s = PassSizer::new(Duration::from_millis(2), 100_000);
+        // Every call pays a 4 ms sync beyond the pass's own work of 10 µs a session: the
+        // budget becomes that sync, and 4 ms fits 400 sessions.
+        for _ in 0..40 {
+            let n = s.next();
+            let held = Duration::from_micros(10 * n as u64);
+            s.observe_call(n, held, held + Duration::from_millis(4));
+        }
+        assert_eq!(s.budget(), Duration::from_millis(4));
+        assert_eq!(s.next(), 400);
+        // A sync that grows with the pass (1 µs a session written) raises the budget only
+        // to where it settles, 4 ms / (10 µs - 1 µs) = 444, not without end.
+        for _ in 0..60 {
+            let n = s.next();
+            let held = Duration::from_micros(10 * n as u64);
+            s.observe_call(
+                n,
+                held,
+                held + Duration::from_millis(4) + Duration::from_micros(n as u64),
+            );
+        }
+        assert!((440..=450).contains(&s.next()), "settled at {}", s.next());
+        // The sync getting quick again brings the budget back to the configured one.
+        for _ in 0..40 {
+            let n = s.next();
+            let held = Duration::from_micros(10 * n as u64);
+            s.observe_call(n, held, held + Duration::from_micros(100));
+        }
+        assert_eq!(s.budget(), Duration::from_millis(2));
+        assert_eq!(s.next(), 200);
     }
 
     #[test]

@@ -38,6 +38,7 @@ local ARGV, NOW, NOW_S
 local ns, P
 local K_REV, K_CLOCK, K_EVSEQ, K_EVENTS, K_SESSIONS, K_DEADLINES, K_LOCKS, K_LOCKIDX
 local K_POOLS, K_QUEUES, K_FINISHED, K_JOB_HEAD, K_JOB_TAIL, K_REAPER, CHANNEL
+local K_STALE_S, K_STALE_L
 -- >>> actor: an operator's or admin's call passes `op name`, the name of its API token
 -- (never the secret; names have no spaces). `event` writes it as `actor` into the events of
 -- the kinds in ACTOR_KINDS (those of EventKind::names_actor), and into no other. `run` sets
@@ -71,6 +72,8 @@ local function bind(name)
     K_JOB_HEAD = P .. '!job_head'
     K_JOB_TAIL = P .. '!job_tail'
     K_REAPER = P .. '!reaper'
+    K_STALE_S = P .. '!stale:sessions'
+    K_STALE_L = P .. '!stale:locks'
     CHANNEL = P .. '!free'
 end
 
@@ -224,9 +227,12 @@ end
 local function flush(acc)
     in_chunks('DEL', nil, acc.gone_keys)
     in_chunks('ZREM', K_DEADLINES, acc.gone_ids)
-    in_chunks('ZREM', K_SESSIONS, acc.gone_ids)
     in_chunks('HDEL', K_LOCKS, acc.gone_locks)
-    in_chunks('ZREM', K_LOCKIDX, acc.gone_locks)
+    -- The listing indexes are swept later (`OPS.sweep`): taking a random entry out of a
+    -- sorted set of many costs more than the rest of an end, and an index entry without its
+    -- record is only skipped by the listings meanwhile.
+    in_chunks('RPUSH', K_STALE_S, acc.gone_ids)
+    in_chunks('RPUSH', K_STALE_L, acc.gone_locks)
     acc.gone_keys, acc.gone_ids, acc.gone_locks = {}, {}, {}
 end
 
@@ -555,16 +561,24 @@ function OPS.locks()
     local from = '[' .. prefix
     if after ~= '' and after >= prefix then from = '(' .. after end
     -- 0xff never occurs in UTF-8, so it bounds every key that starts with the prefix.
-    local keys = redis.call('ZRANGEBYLEX', K_LOCKIDX, from, '[' .. prefix .. '\255', 'LIMIT', 0,
-        limit + 1)
+    local to = '[' .. prefix .. '\255'
     local out = {}
-    for _, key in ipairs(keys) do
-        local raw = redis.call('HGET', K_LOCKS, key)
-        if raw then
-            local r = lock_record(raw)
-            r.key = key
-            out[#out + 1] = r
+    -- Entries whose lock is gone (not swept yet) are skipped, so read on until the page is
+    -- full or the index ends.
+    while #out < limit + 1 do
+        local keys = redis.call('ZRANGEBYLEX', K_LOCKIDX, from, to, 'LIMIT', 0,
+            math.max(limit + 1 - #out, 64))
+        if #keys == 0 then break end
+        for _, key in ipairs(keys) do
+            local raw = redis.call('HGET', K_LOCKS, key)
+            if raw then
+                local r = lock_record(raw)
+                r.key = key
+                out[#out + 1] = r
+                if #out >= limit + 1 then break end
+            end
         end
+        from = '(' .. keys[#keys]
     end
     return answer({ page = out })
 end
@@ -899,7 +913,7 @@ function OPS.stats()
     for _, q in ipairs(redis.call('SMEMBERS', K_QUEUES)) do
         queues[#queues + 1] = { q, counts(q) }
     end
-    return answer({ sessions = redis.call('ZCARD', K_SESSIONS),
+    return answer({ sessions = redis.call('ZCARD', K_DEADLINES),
         locks = redis.call('HLEN', K_LOCKS), pools = pools, queues = queues })
 end
 
@@ -956,6 +970,36 @@ function OPS.next_due()
     local first = redis.call('ZRANGE', K_DEADLINES, 0, 0, 'WITHSCORES')
     if #first == 0 then return answer({ ms = -1 }) end
     return answer({ ms = math.max(0, tonumber(first[2]) - NOW) })
+end
+
+-- sweep(batch): takes up to `batch` ended sessions and released locks off the listing
+-- indexes (see `flush`), each only while it is still gone: an id or key used again since is
+-- listed rightly. Says how many it took and how many wait.
+function OPS.sweep()
+    local batch = tonumber(ARGV[3])
+    local started = redis.call('TIME')
+    local swept = 0
+    local ids = redis.call('LPOP', K_STALE_S, batch) or {}
+    local gone = {}
+    for _, id in ipairs(ids) do
+        if redis.call('EXISTS', k_session(id)) == 0 then gone[#gone + 1] = id end
+    end
+    in_chunks('ZREM', K_SESSIONS, gone)
+    swept = swept + #ids
+    if swept < batch then
+        local keys = redis.call('LPOP', K_STALE_L, batch - swept) or {}
+        gone = {}
+        for _, key in ipairs(keys) do
+            if redis.call('HEXISTS', K_LOCKS, key) == 0 then gone[#gone + 1] = key end
+        end
+        in_chunks('ZREM', K_LOCKIDX, gone)
+        swept = swept + #keys
+    end
+    local stopped = redis.call('TIME')
+    local us = (tonumber(stopped[1]) - tonumber(started[1])) * 1000000 +
+        tonumber(stopped[2]) - tonumber(started[2])
+    return answer({ swept = swept,
+        left = redis.call('LLEN', K_STALE_S) + redis.call('LLEN', K_STALE_L), us = us })
 end
 
 -- retention(job_retention_ms, job_batch, event_retention_ms, event_batch): purges
@@ -1035,12 +1079,21 @@ function OPS.check()
         if #problems < 1000 then problems[#problems + 1] = text end
     end
     local rev = revision()
+    -- Ended sessions and released locks still in a listing index wait in these lists for
+    -- the sweep; an index entry without its record is a problem only when it is not there.
+    local pending_s, pending_l = {}, {}
+    for _, id in ipairs(redis.call('LRANGE', K_STALE_S, 0, -1)) do pending_s[id] = true end
+    for _, key in ipairs(redis.call('LRANGE', K_STALE_L, 0, -1)) do pending_l[key] = true end
     local ids = redis.call('ZRANGE', K_SESSIONS, 0, -1)
+    local listed = 0
     for _, id in ipairs(ids) do
         local s = hash(k_session(id))
         if not s then
-            problem('session ' .. id .. ' is listed but has no record')
+            if not pending_s[id] then
+                problem('session ' .. id .. ' is listed but has no record')
+            end
         else
+            listed = listed + 1
             if tonumber(s.x) <= tonumber(s.c) then
                 problem('session ' .. id .. ' expires before it was created')
             end
@@ -1063,9 +1116,9 @@ function OPS.check()
             end
         end
     end
-    if redis.call('ZCARD', K_DEADLINES) ~= #ids then
+    if redis.call('ZCARD', K_DEADLINES) ~= listed then
         problem('the deadline set has ' .. redis.call('ZCARD', K_DEADLINES) ..
-            ' sessions, the session index ' .. #ids)
+            ' sessions, the session index ' .. listed)
     end
     local locks = redis.call('HGETALL', K_LOCKS)
     for i = 1, #locks, 2 do
@@ -1082,8 +1135,16 @@ function OPS.check()
             problem('lock ' .. locks[i] .. ' is missing from the lock index')
         end
     end
-    if redis.call('ZCARD', K_LOCKIDX) ~= #locks / 2 then
-        problem('the lock index has ' .. redis.call('ZCARD', K_LOCKIDX) .. ' keys, the lock table ' .. (#locks / 2))
+    local indexed = 0
+    for _, key in ipairs(redis.call('ZRANGE', K_LOCKIDX, 0, -1)) do
+        if redis.call('HEXISTS', K_LOCKS, key) == 1 then
+            indexed = indexed + 1
+        elseif not pending_l[key] then
+            problem('the lock index lists ' .. key .. ' which no one holds')
+        end
+    end
+    if indexed ~= #locks / 2 then
+        problem('the lock index has ' .. indexed .. ' keys, the lock table ' .. (#locks / 2))
     end
     local pools = redis.call('HGETALL', K_POOLS)
     for i = 1, #pools, 2 do
@@ -1152,7 +1213,7 @@ function OPS.check()
         local _, first = entry_events(redis.call('XRANGE', K_EVENTS, '-', '+', 'COUNT', 1)[1])
         events = seq - first + 1
     end
-    return answer({ sessions = #ids, locks = #locks / 2, events = events,
+    return answer({ sessions = listed, locks = #locks / 2, events = events,
         revision = rev, jobs = jobs, problems = problems })
 end
 

@@ -816,12 +816,16 @@ impl Redis {
         let lock_ms = (interval.as_millis() as u64 * 3).max(2_000);
         let batch = self.inner.config.reaper_batch.max(1);
         // Each pass holds Redis (which serves every other call meanwhile) for about
-        // `reaper_pass_ms`, as measured by the script itself: a storm of expiries is ended
-        // in many short passes, one after another, not in a few that stall every client.
+        // `reaper_pass_ms` as measured by the script itself, or for what every call takes
+        // beyond its script (the append-only file's sync) when that is longer: a storm of
+        // expiries is ended in many short passes, one after another, not in a few that stall
+        // every client, nor in so many that it pays one sync per few dozen sessions.
         let mut sizer = PassSizer::new(
             Duration::from_millis(self.inner.config.reaper_pass_ms.max(1)),
             batch,
         );
+        // The listing indexes' sweep (see `sweep`), paced the same way.
+        let mut sweeper = sizer.clone();
         let mut wait = interval;
         loop {
             tokio::select! {
@@ -832,12 +836,14 @@ impl Redis {
             if !self.ready() {
                 continue;
             }
+            // Whether ended sessions may wait for the sweep: any node's ends add to it.
+            let mut stale = true;
             loop {
                 let started = Instant::now();
                 let size = sizer.next();
                 match self.pass(size, Some(lock_ms)).await {
                     Ok(Some((outcome, held))) => {
-                        sizer.observe(outcome.sessions, held);
+                        sizer.observe_call(outcome.sessions, held, started.elapsed());
                         let m = &self.inner.metrics;
                         m.reaper_pass_seconds
                             .observe(started.elapsed().as_secs_f64());
@@ -850,8 +856,28 @@ impl Redis {
                                 "reaped expired sessions"
                             );
                         }
-                        if outcome.sessions < size {
+                        if outcome.sessions == size {
+                            continue;
+                        }
+                        // Nothing more is due: one bounded sweep, then look again, so a storm
+                        // that begins meanwhile waits for one sweep at most.
+                        if !stale {
                             break;
+                        }
+                        let started = Instant::now();
+                        match self.sweep(sweeper.next()).await {
+                            Ok(s) => {
+                                sweeper.observe_call(
+                                    s.swept,
+                                    Duration::from_micros(s.us),
+                                    started.elapsed(),
+                                );
+                                stale = s.swept > 0 && s.left > 0;
+                            }
+                            Err(e) => {
+                                tracing::debug!(error = %e, "sweep failed");
+                                break;
+                            }
                         }
                     }
                     // Another node holds the reaper lock: its turn.
@@ -922,6 +948,13 @@ impl Redis {
         Ok(Some((outcome, Duration::from_micros(p.us))))
     }
 
+    /// Takes up to `batch` ended sessions and released locks off the listing indexes, which
+    /// ends leave to this sweep: it says how many it took, how many wait, and how long it
+    /// held Redis.
+    async fn sweep(&self, batch: usize) -> Result<Swept> {
+        self.call("sweep", args![batch]).await
+    }
+
     async fn retention(&self) -> Result<()> {
         #[derive(Deserialize)]
         struct Kept {
@@ -984,6 +1017,13 @@ impl Redis {
             task.abort();
         }
     }
+}
+
+#[derive(Deserialize)]
+struct Swept {
+    swept: usize,
+    left: u64,
+    us: u64,
 }
 
 enum Bootstrap {
