@@ -306,24 +306,33 @@ local function end_one(id, reason, acc)
         table.sort(jobs)
         for _, jid in ipairs(jobs) do settle_job(jid, id, acc) end
     end
-    local flat = redis.call('HGETALL', sk .. ':locks')
-    local locks = {}
-    for i = 1, #flat, 2 do locks[#locks + 1] = { flat[i], tonumber(flat[i + 1]) } end
-    table.sort(locks, by_second)
+    local lk = sk .. ':locks'
+    local flat = redis.call('HGETALL', lk)
+    local nlocks = #flat / 2
+    -- The locks in token order: keys and tokens side by side (one lock, the common case,
+    -- needs no sorting and no pairs).
     local keys, tokens = {}, {}
-    for _, l in ipairs(locks) do
-        acc.gone_locks[#acc.gone_locks + 1] = l[1]
-        keys[#keys + 1] = l[1]
-        tokens[#tokens + 1] = l[2]
-        acc.keys[#acc.keys + 1] = l[1]
-        freed(acc, 'lock:', l[1])
+    if nlocks == 1 then
+        keys[1], tokens[1] = flat[1], tonumber(flat[2])
+    elseif nlocks > 1 then
+        local locks = {}
+        for i = 1, #flat, 2 do locks[#locks + 1] = { flat[i], tonumber(flat[i + 1]) } end
+        table.sort(locks, by_second)
+        for i, l in ipairs(locks) do keys[i], tokens[i] = l[1], l[2] end
     end
-    acc.locks = acc.locks + #locks
+    local gl, listed = acc.gone_locks, acc.nfree + nlocks <= NOTIFY_EACH_MAX
+    for i = 1, nlocks do
+        gl[#gl + 1] = keys[i]
+        -- Named one by one only while the end can still list them (see `ended`).
+        if listed then acc.keys[#acc.keys + 1] = keys[i] end
+        freed(acc, 'lock:', keys[i])
+    end
+    acc.locks = acc.locks + nlocks
     event({ kind = end_kind(reason), sid = id, reason = reason, rk = keys, rt = tokens })
     -- Only the keys that exist: a seat hash or job set emptied earlier is gone already.
     local g = acc.gone_keys
     g[#g + 1] = sk
-    if #locks > 0 then g[#g + 1] = sk .. ':locks' end
+    if nlocks > 0 then g[#g + 1] = lk end
     if more then
         g[#g + 1] = sk .. ':seats'
         g[#g + 1] = sk .. ':jobs'
