@@ -945,6 +945,14 @@ function OPS.events()
     return answer({ events = out })
 end
 
+-- Microseconds of Redis's real clock (never the pinned one) since `started`, a `TIME`
+-- reading: how long a pass held Redis, so the node can size the next to its time budget.
+local function since_us(started)
+    local stopped = redis.call('TIME')
+    return (tonumber(stopped[1]) - tonumber(started[1])) * 1000000 +
+        tonumber(stopped[2]) - tonumber(started[2])
+end
+
 -- reap(batch, node, exclusive '1'|'0'): ends up to `batch` due sessions, earliest deadline
 -- first. Exclusive (the background reaper): only while this node holds the reaper lock,
 -- taken or kept here for `ARGV[6]` ms; another node's lock means `skipped`.
@@ -956,8 +964,6 @@ function OPS.reap()
         if holder and holder ~= node then return answer({ skipped = true }) end
         redis.call('SET', K_REAPER, node, 'PX', ttl)
     end
-    -- How long the pass held Redis, in µs of its real clock (never the pinned one), so the
-    -- node can size the next pass to its time budget.
     local started = redis.call('TIME')
     local due = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW, 'LIMIT', 0, batch)
     local acc = new_acc()
@@ -967,10 +973,7 @@ function OPS.reap()
     local out = ended(acc, rev)
     -- The pass's events written inside the time measured.
     finish()
-    local stopped = redis.call('TIME')
-    local us = (tonumber(stopped[1]) - tonumber(started[1])) * 1000000 +
-        tonumber(stopped[2]) - tonumber(started[2])
-    return answer({ ended = out, us = us })
+    return answer({ ended = out, us = since_us(started) })
 end
 
 -- next_due(): milliseconds until the earliest deadline (0 when one has passed), -1 with no
@@ -981,34 +984,36 @@ function OPS.next_due()
     return answer({ ms = math.max(0, tonumber(first[2]) - NOW) })
 end
 
+-- Takes up to `n` entries off the front of `list` and, of those `gone(entry)` still says
+-- are gone, off the sorted set `index`; returns how many it took off the list.
+local function sweep_list(list, index, n, gone)
+    local entries = redis.call('LPOP', list, n) or {}
+    local off = {}
+    for _, e in ipairs(entries) do
+        if gone(e) then off[#off + 1] = e end
+    end
+    in_chunks('ZREM', index, off)
+    return #entries
+end
+
+local function session_gone(id) return redis.call('EXISTS', k_session(id)) == 0 end
+local function lock_gone(key) return redis.call('HEXISTS', K_LOCKS, key) == 0 end
+
 -- sweep(batch): takes up to `batch` ended sessions and released locks off the listing
 -- indexes (see `flush`), each only while it is still gone: an id or key used again since is
--- listed rightly. Says how many it took and how many wait.
+-- listed rightly. Says how many it took, how many wait, and whether a session is due, so
+-- the node goes back to reaping first.
 function OPS.sweep()
     local batch = tonumber(ARGV[3])
     local started = redis.call('TIME')
-    local swept = 0
-    local ids = redis.call('LPOP', K_STALE_S, batch) or {}
-    local gone = {}
-    for _, id in ipairs(ids) do
-        if redis.call('EXISTS', k_session(id)) == 0 then gone[#gone + 1] = id end
-    end
-    in_chunks('ZREM', K_SESSIONS, gone)
-    swept = swept + #ids
+    local swept = sweep_list(K_STALE_S, K_SESSIONS, batch, session_gone)
     if swept < batch then
-        local keys = redis.call('LPOP', K_STALE_L, batch - swept) or {}
-        gone = {}
-        for _, key in ipairs(keys) do
-            if redis.call('HEXISTS', K_LOCKS, key) == 0 then gone[#gone + 1] = key end
-        end
-        in_chunks('ZREM', K_LOCKIDX, gone)
-        swept = swept + #keys
+        swept = swept + sweep_list(K_STALE_L, K_LOCKIDX, batch - swept, lock_gone)
     end
-    local stopped = redis.call('TIME')
-    local us = (tonumber(stopped[1]) - tonumber(started[1])) * 1000000 +
-        tonumber(stopped[2]) - tonumber(started[2])
+    local due = #redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW, 'LIMIT', 0, 1) > 0
     return answer({ swept = swept,
-        left = redis.call('LLEN', K_STALE_S) + redis.call('LLEN', K_STALE_L), us = us })
+        left = redis.call('LLEN', K_STALE_S) + redis.call('LLEN', K_STALE_L), due = due,
+        us = since_us(started) })
 end
 
 -- retention(job_retention_ms, job_batch, event_retention_ms, event_batch): purges

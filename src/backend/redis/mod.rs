@@ -820,12 +820,10 @@ impl Redis {
         // beyond its script (the append-only file's sync) when that is longer: a storm of
         // expiries is ended in many short passes, one after another, not in a few that stall
         // every client, nor in so many that it pays one sync per few dozen sessions.
-        let mut sizer = PassSizer::new(
-            Duration::from_millis(self.inner.config.reaper_pass_ms.max(1)),
-            batch,
-        );
+        let budget = Duration::from_millis(self.inner.config.reaper_pass_ms.max(1));
+        let mut sizer = PassSizer::new(budget, batch);
         // The listing indexes' sweep (see `sweep`), paced the same way.
-        let mut sweeper = sizer.clone();
+        let mut sweeper = PassSizer::new(budget, batch);
         let mut wait = interval;
         loop {
             tokio::select! {
@@ -836,58 +834,7 @@ impl Redis {
             if !self.ready() {
                 continue;
             }
-            // Whether ended sessions may wait for the sweep: any node's ends add to it.
-            let mut stale = true;
-            loop {
-                let started = Instant::now();
-                let size = sizer.next();
-                match self.pass(size, Some(lock_ms)).await {
-                    Ok(Some((outcome, held))) => {
-                        sizer.observe_call(outcome.sessions, held, started.elapsed());
-                        let m = &self.inner.metrics;
-                        m.reaper_pass_seconds
-                            .observe(started.elapsed().as_secs_f64());
-                        if outcome.sessions > 0 {
-                            self.inner.ends.notify_one();
-                            m.reaper_batch_size.observe(outcome.sessions as f64);
-                            tracing::debug!(
-                                sessions = outcome.sessions,
-                                locks = outcome.locks,
-                                "reaped expired sessions"
-                            );
-                        }
-                        if outcome.sessions == size {
-                            continue;
-                        }
-                        // Nothing more is due: one bounded sweep, then look again, so a storm
-                        // that begins meanwhile waits for one sweep at most.
-                        if !stale {
-                            break;
-                        }
-                        let started = Instant::now();
-                        match self.sweep(sweeper.next()).await {
-                            Ok(s) => {
-                                sweeper.observe_call(
-                                    s.swept,
-                                    Duration::from_micros(s.us),
-                                    started.elapsed(),
-                                );
-                                stale = s.swept > 0 && s.left > 0;
-                            }
-                            Err(e) => {
-                                tracing::debug!(error = %e, "sweep failed");
-                                break;
-                            }
-                        }
-                    }
-                    // Another node holds the reaper lock: its turn.
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "reaper pass failed");
-                        break;
-                    }
-                }
-            }
+            self.work_off(&mut sizer, &mut sweeper, lock_ms).await;
             if let Err(e) = self.retention().await {
                 tracing::debug!(error = %e, "retention pass failed");
             }
@@ -906,6 +853,70 @@ impl Redis {
                 wait = interval.min(Duration::from_millis(ms.max(1) as u64));
             }
         }
+    }
+
+    /// Paced passes while they come back full; then, once nothing more is due, the listing
+    /// indexes' sweep in bounded calls while entries wait (any node's ends add to them),
+    /// back to passes as soon as a call says a session is due again. Nothing at all while
+    /// another node holds the reaper lock.
+    async fn work_off(&self, sizer: &mut PassSizer, sweeper: &mut PassSizer, lock_ms: u64) {
+        loop {
+            match self.paced_pass(sizer, lock_ms).await {
+                Some(true) => continue,
+                Some(false) => {}
+                None => return,
+            }
+            loop {
+                let started = Instant::now();
+                match self.sweep(sweeper.next()).await {
+                    Ok(s) => {
+                        let held = Duration::from_micros(s.us);
+                        sweeper.observe_call(s.swept, held, started.elapsed());
+                        if s.swept == 0 || s.left == 0 {
+                            return;
+                        }
+                        if s.due {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "sweep failed");
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One background pass sized by `sizer`, observed in the metrics: `Some(full)`, whether
+    /// it ended as many as it asked for (more may be due), or `None` when another node holds
+    /// the reaper lock or the pass failed.
+    async fn paced_pass(&self, sizer: &mut PassSizer, lock_ms: u64) -> Option<bool> {
+        let started = Instant::now();
+        let size = sizer.next();
+        let (outcome, held) = match self.pass(size, Some(lock_ms)).await {
+            Ok(Some(done)) => done,
+            // Another node holds the reaper lock: its turn.
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "reaper pass failed");
+                return None;
+            }
+        };
+        sizer.observe_call(outcome.sessions, held, started.elapsed());
+        let m = &self.inner.metrics;
+        m.reaper_pass_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if outcome.sessions > 0 {
+            self.inner.ends.notify_one();
+            m.reaper_batch_size.observe(outcome.sessions as f64);
+            tracing::debug!(
+                sessions = outcome.sessions,
+                locks = outcome.locks,
+                "reaped expired sessions"
+            );
+        }
+        Some(outcome.sessions == size)
     }
 
     /// One pass: ends up to `batch` due sessions, and says how long it held Redis. With
@@ -1019,10 +1030,13 @@ impl Redis {
     }
 }
 
+/// What a sweep call did: entries taken off the lists, entries still waiting, whether a
+/// session is due, and how long it held Redis.
 #[derive(Deserialize)]
 struct Swept {
     swept: usize,
     left: u64,
+    due: bool,
     us: u64,
 }
 
