@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use leasehold::app::App;
-use leasehold::client::{Client, Reply};
+use leasehold::client::Client;
 use leasehold::clock::SystemClock;
 use leasehold::config::Config;
 use serde_json::{Value, json};
@@ -203,19 +203,11 @@ async fn a_storm_of_expiries_in_big_passes_audits_each_once_and_frees_everything
     for k in ["z1", "z2", "z3"] {
         take(&s, k, &live).await;
     }
-    let keys_of = |r: &Reply| -> Vec<String> {
-        r.body["locks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l["key"].as_str().unwrap().to_string())
-            .collect()
-    };
     let p1 = s.get("/v1/locks?limit=2").await;
-    assert_eq!(keys_of(&p1), ["z1", "z2"], "{}", p1.text);
+    assert_eq!(lock_keys(&p1), ["z1", "z2"], "{}", p1.text);
     assert_eq!(p1.body["next"], "z2");
     let p2 = s.get("/v1/locks?limit=2&after=z2").await;
-    assert_eq!(keys_of(&p2), ["z3"], "{}", p2.text);
+    assert_eq!(lock_keys(&p2), ["z3"], "{}", p2.text);
     let listed = s.get("/v1/sessions?limit=1").await;
     assert_eq!(listed.status, 200, "{}", listed.text);
     let page = listed.body["sessions"].as_array().unwrap();
@@ -275,21 +267,10 @@ async fn ended_sessions_leave_the_listing_indexes_to_the_background_sweep() {
     assert_eq!(lists, 0, "the sweep's lists are emptied");
     // What is left listed is exactly the live sessions and their locks.
     let locks = s.get("/v1/locks").await;
-    let listed: Vec<&str> = locks.body["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["key"].as_str().unwrap())
-        .collect();
     let want: Vec<&str> = live.iter().map(|(k, _)| k.as_str()).collect();
-    assert_eq!(listed, want, "{}", locks.text);
+    assert_eq!(lock_keys(&locks), want, "{}", locks.text);
     let sessions = s.get("/v1/sessions?owner=sweep").await;
-    let mut listed: Vec<&str> = sessions.body["sessions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x["session_id"].as_str().unwrap())
-        .collect();
+    let mut listed = session_ids(&sessions);
     listed.sort();
     let mut want: Vec<&str> = live.iter().map(|(_, id)| id.as_str()).collect();
     want.sort();

@@ -126,12 +126,7 @@ async fn a_0_1_0_data_directory_opens_checks_clean_and_keeps_everything() {
     }
     let listed = s.get("/v1/sessions?limit=1000").await;
     assert_eq!(listed.status, 200, "{}", listed.text);
-    let mut ids: Vec<&str> = listed.body["sessions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x["session_id"].as_str().unwrap())
-        .collect();
+    let mut ids = session_ids(&listed);
     let mut want_ids: Vec<&str> = want["sessions"]
         .as_array()
         .unwrap()

@@ -209,6 +209,26 @@ pub async fn take(s: &TestServer, key: &str, session: &str) -> u64 {
     r.body["token"].as_u64().unwrap()
 }
 
+/// The `field` of each item of the list `list` in a page, in the page's order.
+fn page_items(r: &Reply, list: &str, field: &str) -> Vec<String> {
+    r.body[list]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {list} in {}", r.text))
+        .iter()
+        .map(|item| item[field].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The keys of a `GET /v1/locks` page, in its order.
+pub fn lock_keys(r: &Reply) -> Vec<String> {
+    page_items(r, "locks", "key")
+}
+
+/// The session ids of a `GET /v1/sessions` page, in its order.
+pub fn session_ids(r: &Reply) -> Vec<String> {
+    page_items(r, "sessions", "session_id")
+}
+
 pub fn token(r: &Reply) -> u64 {
     r.body["token"]
         .as_u64()

@@ -2,7 +2,7 @@
 //! holders of one key, a release by anyone but the holder, tokens that do not grow, keys
 //! mangled on the way through the path, and a fence that says "current" for a stale token.
 
-use leasehold::client::{Reply, segment};
+use leasehold::client::segment;
 use serde_json::{Value, json};
 
 use crate::common::*;
@@ -246,12 +246,7 @@ pub async fn any_valid_key_works_percent_encoded(s: &TestServer) {
         assert_eq!(f.body["key"], key.as_str());
     }
     let list = s.get("/v1/locks").await;
-    let mut listed: Vec<String> = list.body["locks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["key"].as_str().unwrap().to_string())
-        .collect();
+    let mut listed = lock_keys(&list);
     listed.sort();
     let mut expected = keys.to_vec();
     expected.sort();
@@ -330,18 +325,10 @@ pub async fn locks_page_by_prefix_and_cursor(s: &TestServer) {
     ] {
         tokens.insert(key, take(s, key, who).await);
     }
-    let keys_of = |r: &Reply| -> Vec<String> {
-        r.body["locks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l["key"].as_str().unwrap().to_string())
-            .collect()
-    };
 
     let all = s.get("/v1/locks").await;
     assert_eq!(all.status, 200, "{}", all.text);
-    assert_eq!(keys_of(&all), ["a/1", "a/2", "a/3", "b/1", "c"]);
+    assert_eq!(lock_keys(&all), ["a/1", "a/2", "a/3", "b/1", "c"]);
     assert!(all.body["next"].is_null());
     for l in all.body["locks"].as_array().unwrap() {
         let key = l["key"].as_str().unwrap();
@@ -352,17 +339,17 @@ pub async fn locks_page_by_prefix_and_cursor(s: &TestServer) {
     }
 
     let p1 = s.get("/v1/locks?prefix=a%2F&limit=2").await;
-    assert_eq!(keys_of(&p1), ["a/1", "a/2"]);
+    assert_eq!(lock_keys(&p1), ["a/1", "a/2"]);
     assert_eq!(p1.body["next"], "a/2");
     let p2 = s.get("/v1/locks?prefix=a%2F&limit=2&after=a%2F2").await;
-    assert_eq!(keys_of(&p2), ["a/3"]);
+    assert_eq!(lock_keys(&p2), ["a/3"]);
     assert!(p2.body["next"].is_null());
 
     let after = s.get("/v1/locks?after=a%2F3").await;
-    assert_eq!(keys_of(&after), ["b/1", "c"]);
+    assert_eq!(lock_keys(&after), ["b/1", "c"]);
     // A cursor before the prefix starts at the prefix.
     let before = s.get("/v1/locks?prefix=b&after=a%2F1").await;
-    assert_eq!(keys_of(&before), ["b/1"]);
+    assert_eq!(lock_keys(&before), ["b/1"]);
     let none = s.get("/v1/locks?prefix=zz").await;
     assert_eq!(none.body["locks"], json!([]));
     assert!(none.body["next"].is_null());

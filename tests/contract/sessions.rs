@@ -409,12 +409,7 @@ pub async fn sessions_page_by_owner_and_cursor(s: &TestServer) {
 
     // A cursor starts strictly after it.
     let r = s.get(&format!("/v1/sessions?after={}", everyone[3])).await;
-    let ids: Vec<&str> = r.body["sessions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x["session_id"].as_str().unwrap())
-        .collect();
+    let ids = session_ids(&r);
     assert_eq!(
         ids,
         everyone[4..].iter().map(String::as_str).collect::<Vec<_>>()
@@ -432,15 +427,10 @@ pub async fn sessions_page_by_owner_and_cursor(s: &TestServer) {
     let short = s.open("bob", 1_000).await;
     s.advance(1_000).await;
     let r = s.get("/v1/sessions?owner=bob").await;
-    let ids: Vec<&str> = r.body["sessions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x["session_id"].as_str().unwrap())
-        .collect();
+    let ids = session_ids(&r);
     assert_eq!(ids.len(), 2, "{}", r.text);
-    assert!(!ids.contains(&bob[0].as_str()));
-    assert!(!ids.contains(&short.as_str()));
+    assert!(!ids.contains(&bob[0]));
+    assert!(!ids.contains(&short));
 }
 
 pub async fn sessions_list_rejects_bad_query(s: &TestServer) {
