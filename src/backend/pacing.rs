@@ -154,36 +154,32 @@ mod tests {
         assert_eq!(s.next(), 512);
     }
 
+    /// Runs `rounds` passes of the sizes `s` asks for, each holding the store 10 µs a session
+    /// in a call that takes `beyond(sessions)` more.
+    fn calls(s: &mut PassSizer, rounds: usize, beyond: impl Fn(u64) -> Duration) {
+        for _ in 0..rounds {
+            let n = s.next();
+            let held = Duration::from_micros(10 * n as u64);
+            s.observe_call(n, held, held + beyond(n as u64));
+        }
+    }
+
     #[test]
     fn a_slow_sync_on_every_call_becomes_the_budget_and_settles() {
         let mut s = PassSizer::new(Duration::from_millis(2), 100_000);
         // Every call pays a 4 ms sync beyond the pass's own work of 10 µs a session: the
         // budget becomes that sync, and 4 ms fits 400 sessions.
-        for _ in 0..40 {
-            let n = s.next();
-            let held = Duration::from_micros(10 * n as u64);
-            s.observe_call(n, held, held + Duration::from_millis(4));
-        }
+        calls(&mut s, 40, |_| Duration::from_millis(4));
         assert_eq!(s.budget(), Duration::from_millis(4));
         assert_eq!(s.next(), 400);
         // A sync that grows with the pass (1 µs a session written) raises the budget only
         // to where it settles, 4 ms / (10 µs - 1 µs) = 444, not without end.
-        for _ in 0..60 {
-            let n = s.next();
-            let held = Duration::from_micros(10 * n as u64);
-            s.observe_call(
-                n,
-                held,
-                held + Duration::from_millis(4) + Duration::from_micros(n as u64),
-            );
-        }
+        calls(&mut s, 60, |n| {
+            Duration::from_millis(4) + Duration::from_micros(n)
+        });
         assert!((440..=450).contains(&s.next()), "settled at {}", s.next());
         // The sync getting quick again brings the budget back to the configured one.
-        for _ in 0..40 {
-            let n = s.next();
-            let held = Duration::from_micros(10 * n as u64);
-            s.observe_call(n, held, held + Duration::from_micros(100));
-        }
+        calls(&mut s, 40, |_| Duration::from_micros(100));
         assert_eq!(s.budget(), Duration::from_millis(2));
         assert_eq!(s.next(), 200);
     }
