@@ -1,6 +1,7 @@
 //! Concurrent heartbeats, lock acquires and lock releases of one node sent together: each
-//! kind goes through a [`Batcher`], so while [`IN_FLIGHT`] statements of a kind are
-//! unanswered, the requests that arrive meanwhile go as one statement — one commit, one
+//! kind goes through a [`Batcher`], so while a statement of a kind is unanswered, the
+//! requests that arrive meanwhile go as one statement (a second goes beside the first once
+//! [`EXTRA_FROM`] wait, at most [`IN_FLIGHT`] at once) — one commit, one
 //! wake-up of a backend — instead of one each. A lone request goes alone, by the statement
 //! it always used.
 //!
@@ -45,20 +46,23 @@ use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
 use super::{Inner, Postgres};
-use crate::backend::batch::Batcher;
+use crate::backend::batch::{Batcher, Limits};
 use crate::backend::waiting::Step;
 use crate::backend::{BackendError, Beat, Granted, Result};
 use crate::domain::{LockKey, SessionId, Token};
 
-/// Statements of one kind unanswered at once: enough that the database never waits for
-/// the node between two, few enough that requests queue behind them and go together. With
-/// four, under lock churn at 64 clients a free slot took most requests alone, and the
-/// database spent 1.3-1.7× the CPU a pair it spends with two (284-333 µs against 196-224 µs,
-/// read from `/proc` as `pg-ab.sh` reports it). One did as well as two on this two-core
-/// machine (4 585-5 734 pairs/s against 4 522-4 542), but leaves the database idle while the
-/// node gathers the next batch and runs each kind on one connection of a node, whatever the
-/// database's cores.
+/// Statements of one kind unanswered at once: a second lets the database run the next batch
+/// while the first waits for its commit's WAL flush, or on another core.
 const IN_FLIGHT: usize = 2;
+/// Requests that must wait before a statement goes beside one already unanswered. The
+/// first statement goes at once (a lone request costs what it always did); the second only
+/// for a batch worth its statement, its commit and its executor start-ups. When any free
+/// slot sent whatever waited, a slot freed by a fast answer took one or two requests alone:
+/// under lock churn at 64 clients, two statements in flight cost the database 155-164 µs a
+/// pair and did 0.61-0.69× the raw tables, four 200-207 µs (0.55-0.57×), one 116-124 µs
+/// but left a core idle (0.72-0.74×). With the second waiting for 16, 132-142 µs and
+/// 0.72-0.80× (`pg-ab.sh`, `docs/benchmarks.md`).
+const EXTRA_FROM: usize = 16;
 /// The most requests one statement carries, so a batch holds its locks a bounded time.
 const MAX_BATCH: usize = 256;
 
@@ -109,7 +113,12 @@ where
     Fut: std::future::Future<Output = Vec<A>> + Send + 'static,
 {
     let node = node.clone();
-    Batcher::start(IN_FLIGHT, MAX_BATCH, move |batch: Vec<Q>| {
+    let limits = Limits {
+        in_flight: IN_FLIGHT,
+        max_batch: MAX_BATCH,
+        extra_from: EXTRA_FROM,
+    };
+    Batcher::start(limits, move |batch: Vec<Q>| {
         let node = node.upgrade();
         async move {
             match node {
