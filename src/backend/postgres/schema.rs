@@ -11,7 +11,7 @@ use tokio_postgres::GenericClient;
 use super::errors::PgError;
 
 /// The newest schema version this build knows.
-pub const VERSION: i32 = 8;
+pub const VERSION: i32 = 9;
 
 /// Migration `n` is `MIGRATIONS[n - 1]`. Only ever append: a released migration never
 /// changes, since nodes that applied it will not apply it again.
@@ -24,7 +24,160 @@ const MIGRATIONS: &[&str] = &[
     MIGRATION_MANY,
     MIGRATION_CASCADE,
     MIGRATION_BATCH_EVENTS,
+    MIGRATION_SET_BATCHES,
 ];
+
+/// Version 9: a batch whose keys (and, for acquires, sessions) are all distinct does its
+/// common work as a few set-based statements instead of a call of `acquire` or `release` per
+/// element, each running about five statements of its own. Replaces two functions, same
+/// signatures and answers.
+///
+/// **Acquire.** One statement tries every key's advisory lock; the next locks the rows of the
+/// live sessions whose key it got (`SKIP LOCKED`); the next, with a snapshot taken after both
+/// are held, inserts a lock row for every element whose key has no row and whose session is
+/// under its limit. An element granted there is answered as `acquire` would grant it (its
+/// count before the insert as `held`); one whose key's lock was not got is `busy`, as in
+/// `acquire`; every other element (its session locked elsewhere, gone or expired, the key
+/// held, its own, the limit reached) is answered by the batched `acquire` itself, which
+/// takes the locks this transaction already holds again without waiting. Sessions distinct
+/// keep each count exact; keys distinct keep a key from being granted twice in one
+/// statement. Tokens: each grant draws its token under its key's advisory lock, held to the
+/// commit, as alone.
+///
+/// **Release.** One statement locks the rows of the batch's keys (`SKIP LOCKED`) and deletes
+/// those held by the element's session with its token, while the session is live; each
+/// element deleted draws its revision in order, as `release` does; every other element is
+/// answered by the batched `release`.
+///
+/// Driven by `pgbench` (batches of 16 fresh keys for 16 sessions, acquired then released),
+/// the set-based forms cost the database 81–82 µs a pair against 98–99 µs.
+const MIGRATION_SET_BATCHES: &str = r#"
+CREATE OR REPLACE FUNCTION {ns}.acquire_many(lock_class integer, keys text[], sids uuid[],
+                                             max_locks bigint)
+    RETURNS TABLE (answer text, granted bigint, revision bigint, held bigint)
+    LANGUAGE plpgsql SET enable_bitmapscan = off AS $$
+DECLARE
+    n integer := coalesce(array_length(keys, 1), 0);
+    got boolean[];
+    live uuid[];
+    new_keys text[];
+    new_toks bigint[];
+    new_held bigint[];
+    at integer;
+    ev_sids uuid[] := '{}';
+    ev_keys text[] := '{}';
+    ev_toks bigint[] := '{}';
+BEGIN
+    IF n = 0 THEN
+        RETURN;
+    END IF;
+    IF (SELECT count(DISTINCT k) FROM unnest(keys) k) = n
+       AND (SELECT count(DISTINCT s) FROM unnest(sids) s) = n THEN
+        got := ARRAY(SELECT pg_try_advisory_xact_lock(lock_class, hashtext(u.k))
+                     FROM unnest(keys) WITH ORDINALITY AS u (k, i) ORDER BY u.i);
+        live := ARRAY(SELECT s.id FROM {ns}.session s
+                      WHERE s.id = ANY (ARRAY(SELECT sids[i] FROM generate_subscripts(keys, 1) i
+                                              WHERE got[i]))
+                        AND s.expires_at > {ns}.db_now()
+                      FOR NO KEY UPDATE SKIP LOCKED);
+        WITH c AS MATERIALIZED (
+            SELECT e.i, keys[e.i] AS k, sids[e.i] AS sid,
+                   (SELECT count(*) FROM {ns}.lock x WHERE x.session_id = sids[e.i]) AS mine
+            FROM generate_subscripts(keys, 1) AS e (i)
+            WHERE got[e.i] AND sids[e.i] = ANY (live)
+              AND NOT EXISTS (SELECT 1 FROM {ns}.lock l WHERE l.key = keys[e.i])
+        ), ins AS (
+            INSERT INTO {ns}.lock (key, session_id, token)
+            SELECT c.k, c.sid, nextval('{ns}.revision') FROM c WHERE c.mine < max_locks
+            ORDER BY c.i
+            RETURNING key, token
+        )
+        SELECT array_agg(ins.key), array_agg(ins.token), array_agg(c.mine)
+        INTO new_keys, new_toks, new_held
+        FROM ins JOIN c ON c.k = ins.key;
+        FOR i IN 1 .. n LOOP
+            answer := 'busy'; granted := NULL; revision := NULL; held := NULL;
+            at := array_position(new_keys, keys[i]);
+            IF at IS NOT NULL THEN
+                answer := 'granted';
+                granted := new_toks[at];
+                revision := granted;
+                held := new_held[at];
+            ELSIF got[i] THEN
+                SELECT a.answer, a.granted, a.revision, a.held
+                INTO answer, granted, revision, held
+                FROM {ns}.acquire(lock_class, keys[i], sids[i], true, max_locks, true) a;
+            END IF;
+            IF answer = 'granted' THEN
+                ev_sids := ev_sids || sids[i];
+                ev_keys := ev_keys || keys[i];
+                ev_toks := ev_toks || granted;
+            END IF;
+            RETURN NEXT;
+        END LOOP;
+    ELSE
+        FOR i IN 1 .. n LOOP
+            SELECT a.answer, a.granted, a.revision, a.held
+            INTO answer, granted, revision, held
+            FROM {ns}.acquire(lock_class, keys[i], sids[i], true, max_locks, true) a;
+            IF answer = 'granted' THEN
+                ev_sids := ev_sids || sids[i];
+                ev_keys := ev_keys || keys[i];
+                ev_toks := ev_toks || granted;
+            END IF;
+            RETURN NEXT;
+        END LOOP;
+    END IF;
+    PERFORM {ns}.log_events(lock_class, 'lock_acquired', ev_sids, ev_keys, ev_toks);
+END $$;
+
+CREATE OR REPLACE FUNCTION {ns}.release_many(lock_class integer, keys text[], sids uuid[],
+                                             toks bigint[])
+    RETURNS TABLE (answer text, revision bigint)
+    LANGUAGE plpgsql AS $$
+DECLARE
+    n integer := coalesce(array_length(keys, 1), 0);
+    gone text[] := '{}';
+    ev_sids uuid[] := '{}';
+    ev_keys text[] := '{}';
+    ev_toks bigint[] := '{}';
+BEGIN
+    IF n = 0 THEN
+        RETURN;
+    END IF;
+    IF (SELECT count(DISTINCT k) FROM unnest(keys) k) = n THEN
+        WITH rows AS MATERIALIZED (
+            SELECT t.ctid AS row FROM {ns}.lock t WHERE t.key = ANY (keys)
+            FOR UPDATE SKIP LOCKED
+        ), d AS (
+            DELETE FROM {ns}.lock l
+            USING unnest(keys, sids, toks) AS e (k, sid, tok)
+            WHERE l.ctid IN (SELECT r.row FROM rows r)
+              AND l.key = e.k AND l.session_id = e.sid AND l.token = e.tok
+              AND EXISTS (SELECT 1 FROM {ns}.session s
+                          WHERE s.id = e.sid AND s.expires_at > {ns}.db_now())
+            RETURNING l.key
+        )
+        SELECT coalesce(array_agg(d.key), '{}') INTO gone FROM d;
+    END IF;
+    FOR i IN 1 .. n LOOP
+        IF keys[i] = ANY (gone) THEN
+            answer := 'released';
+            revision := nextval('{ns}.revision');
+        ELSE
+            SELECT r.answer, r.revision INTO answer, revision
+            FROM {ns}.release(keys[i], sids[i], toks[i], true) r;
+        END IF;
+        IF answer = 'released' THEN
+            ev_sids := ev_sids || sids[i];
+            ev_keys := ev_keys || keys[i];
+            ev_toks := ev_toks || toks[i];
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+    PERFORM {ns}.log_events(lock_class, 'lock_released', ev_sids, ev_keys, ev_toks);
+END $$;
+"#;
 
 /// Version 8: a batch call writes its elements' audit events once, numbered, at its end;
 /// each element runs fewer statements; and an acquire counts the caller's locks by a plain

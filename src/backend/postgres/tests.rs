@@ -1769,6 +1769,138 @@ async fn a_batch_element_whose_lock_is_held_elsewhere_is_busy_not_waiting() {
     h.stop();
 }
 
+/// A batch whose keys and sessions are all distinct goes the set-based way (schema version
+/// 9): every element is answered exactly as alone, whatever mix of outcomes it holds, and
+/// only the grants and releases it made are audited.
+#[tokio::test]
+async fn a_batch_of_distinct_keys_and_sessions_answers_each_element_as_alone() {
+    let h = Harness::start().await;
+    let ns = &h.schema.0;
+    let class = h.pg.class();
+    let mut ids = Vec::new();
+    for _ in 0..7 {
+        ids.push(h.open(60_000).await);
+    }
+    let [a, b, c, d, e, f, g] = [ids[0], ids[1], ids[2], ids[3], ids[4], ids[5], ids[6]];
+    let x = h.open(1_000).await;
+    h.shift(1_500).await;
+    let held = h.pg.acquire(d, key("held"), 0).await.unwrap().token.0 as i64;
+    let own = h.pg.acquire(f, key("f-own"), 0).await.unwrap().token.0 as i64;
+    let has = h.pg.acquire(e, key("e-has"), 0).await.unwrap().token.0 as i64;
+
+    // Another transaction holds the advisory lock of `k-taken` and the row of session `c`.
+    let mut other = connect().await;
+    let tx = other.transaction().await.unwrap();
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1, hashtext('k-taken'))",
+        &[&class],
+    )
+    .await
+    .unwrap();
+    tx.execute(
+        &format!("SELECT 1 FROM \"{ns}\".session WHERE id = $1 FOR UPDATE"),
+        &[&c.0],
+    )
+    .await
+    .unwrap();
+    let gone = uuid::Uuid::new_v4();
+    let rows = h
+        .admin
+        .query(
+            &format!(
+                "SELECT answer, granted, held FROM \"{ns}\".acquire_many($1, $2::text[], $3::uuid[], 1)"
+            ),
+            &[
+                &class,
+                &vec!["k-free", "k-taken", "k-rowlocked", "held", "f-own", "new-e", "k-x", "k-gone"],
+                &vec![a.0, b.0, c.0, g.0, f.0, e.0, x.0, gone],
+            ],
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let answers: Vec<&str> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(
+        answers,
+        [
+            "granted", "busy", "busy", "held", "own", "too_many", "expired", "busy"
+        ]
+    );
+    let granted: i64 = rows[0].get(1);
+    assert!(granted > has, "a grant's token is the newest");
+    assert_eq!(
+        rows[0].get::<_, Option<i64>>(2),
+        Some(0),
+        "held before the grant"
+    );
+    assert_eq!(
+        rows[4].get::<_, Option<i64>>(1),
+        Some(own),
+        "own answers its token"
+    );
+    assert_eq!(
+        rows[5].get::<_, Option<i64>>(2),
+        Some(1),
+        "too_many counts the held"
+    );
+    assert_eq!(h.count("lock").await, 4);
+
+    // The releases: one made, one of a wrong token, one of a row locked elsewhere, one of
+    // a key without a row, one more made.
+    let tx = other.transaction().await.unwrap();
+    tx.execute(
+        &format!("SELECT 1 FROM \"{ns}\".lock WHERE key = 'f-own' FOR UPDATE"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let rows = h
+        .admin
+        .query(
+            &format!(
+                "SELECT answer, revision FROM \"{ns}\".release_many($1, $2::text[], $3::uuid[], $4::bigint[])"
+            ),
+            &[
+                &class,
+                &vec!["k-free", "held", "f-own", "nothing", "e-has"],
+                &vec![a.0, d.0, f.0, a.0, e.0],
+                &vec![granted, held + 1000, own, 1, has],
+            ],
+        )
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let answers: Vec<&str> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(
+        answers,
+        ["released", "not_holder", "busy", "not_holder", "released"]
+    );
+    let first: i64 = rows[0].get(1);
+    let last: i64 = rows[4].get(1);
+    assert!(first > granted && last > first, "revisions drawn in order");
+    assert_eq!(h.count("lock").await, 2);
+
+    // Audited: each grant and release once, nothing for the rest.
+    let events = h.events().await;
+    let of = |kind: EventKind, token: i64| {
+        events
+            .iter()
+            .filter(|ev| ev.kind == kind && ev.token.map(|t| t.0 as i64) == Some(token))
+            .count()
+    };
+    assert_eq!(of(EventKind::LockAcquired, granted), 1);
+    assert_eq!(of(EventKind::LockReleased, granted), 1);
+    assert_eq!(of(EventKind::LockReleased, has), 1);
+    assert_eq!(of(EventKind::LockReleased, own), 0);
+    let acquired = events
+        .iter()
+        .filter(|ev| ev.kind == EventKind::LockAcquired)
+        .count();
+    assert_eq!(acquired, 4, "three before the batch and its one grant");
+    h.assert_consistent().await;
+    h.stop();
+}
+
 /// The audit log as (seq, kind, key), numbered events first.
 async fn event_log(
     c: &tokio_postgres::Client,
