@@ -95,39 +95,29 @@ BEGIN
         SELECT array_agg(ins.key), array_agg(ins.token), array_agg(c.mine)
         INTO new_keys, new_toks, new_held
         FROM ins JOIN c ON c.k = ins.key;
-        FOR i IN 1 .. n LOOP
-            answer := 'busy'; granted := NULL; revision := NULL; held := NULL;
-            at := array_position(new_keys, keys[i]);
-            IF at IS NOT NULL THEN
-                answer := 'granted';
-                granted := new_toks[at];
-                revision := granted;
-                held := new_held[at];
-            ELSIF got[i] THEN
-                SELECT a.answer, a.granted, a.revision, a.held
-                INTO answer, granted, revision, held
-                FROM {ns}.acquire(lock_class, keys[i], sids[i], true, max_locks, true) a;
-            END IF;
-            IF answer = 'granted' THEN
-                ev_sids := ev_sids || sids[i];
-                ev_keys := ev_keys || keys[i];
-                ev_toks := ev_toks || granted;
-            END IF;
-            RETURN NEXT;
-        END LOOP;
-    ELSE
-        FOR i IN 1 .. n LOOP
+    END IF;
+    -- `new_keys` and `got` stay NULL when the batch goes per element.
+    FOR i IN 1 .. n LOOP
+        at := array_position(new_keys, keys[i]);
+        IF at IS NOT NULL THEN
+            answer := 'granted';
+            granted := new_toks[at];
+            revision := granted;
+            held := new_held[at];
+        ELSIF got[i] IS NOT FALSE THEN
             SELECT a.answer, a.granted, a.revision, a.held
             INTO answer, granted, revision, held
             FROM {ns}.acquire(lock_class, keys[i], sids[i], true, max_locks, true) a;
-            IF answer = 'granted' THEN
-                ev_sids := ev_sids || sids[i];
-                ev_keys := ev_keys || keys[i];
-                ev_toks := ev_toks || granted;
-            END IF;
-            RETURN NEXT;
-        END LOOP;
-    END IF;
+        ELSE
+            answer := 'busy'; granted := NULL; revision := NULL; held := NULL;
+        END IF;
+        IF answer = 'granted' THEN
+            ev_sids := ev_sids || sids[i];
+            ev_keys := ev_keys || keys[i];
+            ev_toks := ev_toks || granted;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
     PERFORM {ns}.log_events(lock_class, 'lock_acquired', ev_sids, ev_keys, ev_toks);
 END $$;
 
