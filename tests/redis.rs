@@ -307,6 +307,40 @@ async fn operations_survive_redis_forgetting_the_functions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_publishes_what_it_freed_in_one_message() {
+    // Guards against the wake-up messages other nodes read drifting from what was freed: an
+    // end that frees two keys must name both in its one message (a line each), and a call
+    // that frees one key must publish exactly `lock:K`, the form every version reads.
+    use futures_util::StreamExt;
+    let s = TestServer::start_on(BackendKind::Redis, |_| {}).await;
+    let ns = &s.keys.as_ref().unwrap().namespace;
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut pubsub = client.get_async_pubsub().await.unwrap();
+    pubsub.subscribe(format!("{ns}:!free")).await.unwrap();
+    let mut messages = Box::pin(pubsub.into_on_message());
+    let mut next = async || -> String {
+        let m = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .expect("a message within 10 s")
+            .expect("the subscription open");
+        m.get_payload().unwrap()
+    };
+
+    let a = s.open("alice", 60_000).await;
+    take(&s, "one", &a).await;
+    take(&s, "two", &a).await;
+    let t = take(&s, "three", &a).await;
+    assert_eq!(s.release("three", &a, t).await.status, 200);
+    assert_eq!(next().await, "lock:three");
+    assert_eq!(close(&s, &a).await.status, 200);
+    let payload = next().await;
+    let mut names: Vec<&str> = payload.split('\n').collect();
+    names.sort();
+    assert_eq!(names, ["lock:one", "lock:two"], "{payload:?}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_through_another_node_gets_the_first_answer() {
     // Guards against request ids remembered per node: the record lives in Redis, written by
     // the script that acted, so a retry through another node on the namespace replays it.

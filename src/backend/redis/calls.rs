@@ -1,10 +1,10 @@
 //! The node's path to Redis: the library of functions that carries every operation (loaded
 //! again whenever Redis lacks it), and the calls of concurrent requests sent together.
 //!
-//! Calls go through one task. While fewer than [`IN_FLIGHT`] calls to Redis are unanswered a
-//! request is sent at once, alone; when that many are, the requests that arrive meanwhile
-//! wait and go together as one `FCALL` of the batch operation (at most [`MAX_BATCH`]). So a
-//! lone request costs one round trip as before, and a busy node pays Redis's per-command
+//! Calls go through one task ([`Batcher`]). A request is sent at once, alone, while no call
+//! to Redis is unanswered; while calls are, the requests that arrive meanwhile wait and go
+//! together as one `FCALL` of the batch operation (see [`REQUESTS`]). So a lone request
+//! costs one round trip as before, and a busy node pays Redis's per-command
 //! cost (the parse, the function call, the reply, the append-only file's wrapping) once per
 //! batch rather than once per request. Each operation of a batch still runs whole and alone,
 //! in arrival order, and fails alone.
@@ -14,14 +14,17 @@ use std::sync::LazyLock;
 
 use ::redis::aio::{ConnectionLike, ConnectionManager};
 use ::redis::{RedisError, Value};
-use tokio::sync::{Semaphore, mpsc, oneshot};
 
-/// Calls to Redis unanswered at once: enough that Redis never waits for the node between
-/// two, few enough that requests queue behind them and go together.
-const IN_FLIGHT: usize = 4;
-/// The most operations one batch carries, so a batch holds Redis for a bounded time.
-const MAX_BATCH: usize = 256;
+use crate::backend::batch::{Batcher, Limits};
 
+/// How requests go: the first at once; while calls are unanswered, the requests that arrive
+/// meanwhile gather, and a call goes beside the ones unanswered only for a batch worth it.
+/// At most 256 operations a call, so a batch holds Redis for a bounded time.
+pub const REQUESTS: Limits = Limits {
+    in_flight: 4,
+    max_batch: 256,
+    extra_from: 16,
+};
 /// The library of Redis Functions that carries every operation (`leasehold.lua`), named
 /// after a digest of its text: nodes of different versions sharing one Redis each load and
 /// call their own, never another's.
@@ -104,110 +107,66 @@ fn text(v: Value) -> Result<String, RedisError> {
     Ok(::redis::from_redis_value(v.extract_error()?)?)
 }
 
-struct Pending {
-    op: String,
-    args: Vec<String>,
-    reply: oneshot::Sender<Result<String, RedisError>>,
-}
+/// One operation waiting to go: its name and arguments.
+type Request = (String, Vec<String>);
+/// One operation's answer: the text the function returned, or the error it raised.
+type Answer = Result<String, RedisError>;
 
 /// Sends operations to Redis, together when many are waiting. Cheap to clone; the task that
 /// sends ends when the last clone is dropped.
 #[derive(Clone)]
 pub struct Calls {
-    tx: mpsc::UnboundedSender<Pending>,
+    batcher: Batcher<Request, Answer>,
 }
 
 impl Calls {
-    pub fn start(conn: ConnectionManager, namespace: String) -> Calls {
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(gather(rx, conn, Arc::from(namespace)));
-        Calls { tx }
+    pub fn start(conn: ConnectionManager, namespace: String, limits: Limits) -> Calls {
+        let namespace: Arc<str> = Arc::from(namespace);
+        let batcher = Batcher::start(limits, move |batch: Vec<Request>| {
+            let (mut conn, namespace) = (conn.clone(), namespace.clone());
+            async move { send(&mut conn, &namespace, batch).await }
+        });
+        Calls { batcher }
     }
 
     /// Runs `op` with `args` and returns its answer. An error is Redis's or the
     /// connection's; a request whose answer never came (the node stopping) is answered as a
     /// dropped connection.
-    pub async fn call(&self, op: &str, args: Vec<String>) -> Result<String, RedisError> {
-        let (reply, answer) = oneshot::channel();
-        let pending = Pending {
-            op: op.to_string(),
-            args,
-            reply,
-        };
+    pub async fn call(&self, op: &str, args: Vec<String>) -> Answer {
         let gone = || RedisError::from(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
-        self.tx.send(pending).map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
+        self.batcher
+            .call((op.to_string(), args))
+            .await
+            .unwrap_or_else(|| Err(gone()))
     }
 }
 
-/// The sending task: takes what waits, up to a batch, whenever a call to Redis may start.
-async fn gather(
-    mut rx: mpsc::UnboundedReceiver<Pending>,
-    conn: ConnectionManager,
-    namespace: Arc<str>,
-) {
-    let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
-    loop {
-        // Waiting for a free call first lets requests gather in the channel meanwhile.
-        let Ok(permit) = in_flight.clone().acquire_owned().await else {
-            return;
-        };
-        let Some(first) = rx.recv().await else {
-            return;
-        };
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(p) => batch.push(p),
-                Err(_) => break,
-            }
-        }
-        let (mut conn, namespace) = (conn.clone(), namespace.clone());
-        tokio::spawn(async move {
-            send(&mut conn, &namespace, batch).await;
-            drop(permit);
-        });
-    }
-}
-
-/// Sends one batch and hands each request its answer. A batch of one is a plain call; a
+/// Sends one batch and answers each request, in order. A batch of one is a plain call; a
 /// larger one is the function's `!batch` operation: `[namespace, "!batch", n, op, args…, n,
 /// op, args…]`, each `n` counting the op and its arguments, answered by one answer (or one
 /// error) per operation, in order.
-async fn send(conn: &mut ConnectionManager, namespace: &str, mut batch: Vec<Pending>) {
-    if batch.len() == 1 {
-        let p = batch.pop().expect("one request");
-        let answer = LIBRARY.call(conn, namespace, &p.op, &p.args).await;
-        let _ = p.reply.send(answer);
-        return;
+async fn send(conn: &mut ConnectionManager, namespace: &str, batch: Vec<Request>) -> Vec<Answer> {
+    if let [(op, args)] = batch.as_slice() {
+        return vec![LIBRARY.call(conn, namespace, op, args).await];
     }
     let mut fcall = ::redis::cmd("FCALL");
     fcall.arg(&LIBRARY.name).arg(0).arg(namespace).arg("!batch");
-    for p in &batch {
-        fcall.arg(p.args.len() + 1).arg(&p.op).arg(&p.args);
+    for (op, args) in &batch {
+        fcall.arg(args.len() + 1).arg(op).arg(args);
     }
-    let answers = match LIBRARY.send(conn, &fcall).await {
-        Ok(Value::Array(answers)) if answers.len() == batch.len() => answers,
+    match LIBRARY.send(conn, &fcall).await {
+        Ok(Value::Array(answers)) if answers.len() == batch.len() => {
+            answers.into_iter().map(text).collect()
+        }
         Ok(other) => {
             let e = RedisError::from((
                 ::redis::ErrorKind::UnexpectedReturnType,
                 "a batch answered with the wrong shape",
                 format!("{other:?}"),
             ));
-            for p in batch {
-                let _ = p.reply.send(Err(e.clone()));
-            }
-            return;
+            vec![Err(e); batch.len()]
         }
-        Err(e) => {
-            for p in batch {
-                let _ = p.reply.send(Err(e.clone()));
-            }
-            return;
-        }
-    };
-    for (p, answer) in batch.into_iter().zip(answers) {
-        let _ = p.reply.send(text(answer));
+        Err(e) => vec![Err(e); batch.len()],
     }
 }
 
@@ -225,17 +184,8 @@ mod tests {
         (conn, ns)
     }
 
-    fn pending(
-        op: &str,
-        args: &[&str],
-    ) -> (Pending, oneshot::Receiver<Result<String, RedisError>>) {
-        let (reply, answer) = oneshot::channel();
-        let p = Pending {
-            op: op.to_string(),
-            args: args.iter().map(|a| a.to_string()).collect(),
-            reply,
-        };
-        (p, answer)
+    fn request(op: &str, args: &[&str]) -> Request {
+        (op.to_string(), args.iter().map(|a| a.to_string()).collect())
     }
 
     #[tokio::test]
@@ -243,17 +193,21 @@ mod tests {
         // Guards against a batch whose answers land on the wrong requests, or whose one bad
         // operation fails the others sent with it.
         let (mut conn, ns) = redis().await;
-        let (a, ra) = pending("open", &["s1", "alice", "", "60000"]);
-        let (b, rb) = pending("no_such_operation", &[]);
-        let (c, rc) = pending("revision", &[]);
-        let (d, rd) = pending("open", &["s1", "alice", "", "60000"]);
-        send(&mut conn, &ns, vec![a, b, c, d]).await;
-        let opened: serde_json::Value = serde_json::from_str(&ra.await.unwrap().unwrap()).unwrap();
+        let batch = vec![
+            request("open", &["s1", "alice", "", "60000"]),
+            request("no_such_operation", &[]),
+            request("revision", &[]),
+            request("open", &["s1", "alice", "", "60000"]),
+        ];
+        let mut answers = send(&mut conn, &ns, batch).await.into_iter();
+        assert_eq!(answers.len(), 4);
+        let opened: serde_json::Value =
+            serde_json::from_str(&answers.next().unwrap().unwrap()).unwrap();
         assert_eq!(opened["revision"], 1, "{opened}");
-        let refused = rb.await.unwrap().unwrap_err().to_string();
+        let refused = answers.next().unwrap().unwrap_err().to_string();
         assert!(refused.contains("no_such_operation"), "{refused}");
-        assert_eq!(rc.await.unwrap().unwrap(), r#"{"revision":1}"#);
-        assert_eq!(rd.await.unwrap().unwrap(), r#"{"err":"exists"}"#);
+        assert_eq!(answers.next().unwrap().unwrap(), r#"{"revision":1}"#);
+        assert_eq!(answers.next().unwrap().unwrap(), r#"{"err":"exists"}"#);
         let _: () = ::redis::cmd("DEL")
             .arg(format!("{ns}:!rev"))
             .arg(format!("{ns}:!evseq"))
@@ -270,7 +224,7 @@ mod tests {
     async fn concurrent_calls_all_get_their_own_answer() {
         // Guards against requests lost or crossed while they wait to go together.
         let (conn, ns) = redis().await;
-        let calls = Calls::start(conn.clone(), ns.clone());
+        let calls = Calls::start(conn.clone(), ns.clone(), REQUESTS);
         let mut tasks = Vec::new();
         for i in 0..300 {
             let calls = calls.clone();

@@ -23,14 +23,18 @@
 --   revision, so tokens only grow, across nodes and (with append-only persistence)
 --   restarts.
 -- * Audit events go to the stream `{ns}:!events`, numbered by `INCR {ns}:!evseq` in the
---   order the operations ran. An operation's events are written when it finishes: one
---   event as the entry `{seq}-1` with the field `e`; several (an end, a reap pass) as
---   entries of up to EVENTS_PER_ENTRY consecutive events each, id `{last seq}-1`, field
---   `b`, the events' JSON joined by newlines (JSON as cjson writes it has none). So an
+--   order the operations ran. A call's events are written when it finishes (a batch's
+--   when its last operation has run, or before an operation that reads the log): one
+--   event as the entry `{seq}-1` with the field `e`; several (an end, a reap pass, a
+--   batch) as entries of up to EVENTS_PER_ENTRY consecutive events each, id
+--   `{last seq}-1`, field `b`, the events' JSON joined by newlines (JSON as cjson writes it
+--   has none). The counter is drawn once a call and written back once. So an
 --   entry's id is the number of its last event, and a cursor `(after-1` finds every
 --   entry that holds an event after `after`.
--- * What frees a key, a seat or a job is published on `{ns}:!free` (`lock:K`, `pool:P`,
---   `queue:Q`, or `*` for more than can be listed), so other nodes wake their waiters.
+-- * What frees a key, a seat or a job is published on `{ns}:!free` when the call finishes,
+--   so other nodes wake their waiters: the names (`lock:K`, `pool:P`, `queue:Q`), each once,
+--   up to NOTIFY_EACH_MAX a message joined by newlines; or `*` for more than can be listed.
+--   A call that frees one name publishes exactly that name, as before batches shared one.
 
 -- The call being run: its arguments, its namespace's key names, its time. Set by `dispatch`
 -- at the start of every call (Redis runs one call at a time, so they are never shared).
@@ -102,6 +106,8 @@ local function revision() return tonumber(redis.call('GET', K_REV) or '0') end
 -- `run` forgets both, and the events not yet written, at the start of every operation.
 local evseq, evdirty = nil, false
 local evbuf, evn = {}, 0
+-- What the call freed, published by `finish`: the names in order, each once, or `*`.
+local pubbuf, pubseen, pubany = {}, {}, false
 local function event(e)
     if evseq then
         evseq = evseq + 1
@@ -133,6 +139,17 @@ local function finish()
     end
     if evdirty then redis.call('SET', K_EVSEQ, string.format('%d', evseq)) end
     evbuf, evn, evdirty = {}, 0, false
+    if pubany then
+        redis.call('PUBLISH', CHANNEL, '*')
+    else
+        local i = 1
+        while i <= #pubbuf do
+            local j = math.min(i + NOTIFY_EACH_MAX - 1, #pubbuf)
+            redis.call('PUBLISH', CHANNEL, table.concat(pubbuf, '\n', i, j))
+            i = j + 1
+        end
+    end
+    pubbuf, pubseen, pubany = {}, {}, false
 end
 
 -- The events of a stream entry, oldest first, and the number of the first of them.
@@ -145,17 +162,19 @@ local function entry_events(entry)
     return out, last - #out + 1
 end
 
+-- Notes that what `list` names was freed. The call publishes the names when it finishes
+-- (`finish`), each once, in messages of up to NOTIFY_EACH_MAX names joined by newlines; more
+-- than a message holds in one list is published as `*`.
 local function publish(list)
     if #list == 0 then return end
     if #list > NOTIFY_EACH_MAX then
-        redis.call('PUBLISH', CHANNEL, '*')
+        pubany = true
         return
     end
-    local seen = {}
     for _, p in ipairs(list) do
-        if not seen[p] then
-            seen[p] = true
-            redis.call('PUBLISH', CHANNEL, p)
+        if not pubseen[p] then
+            pubseen[p] = true
+            pubbuf[#pubbuf + 1] = p
         end
     end
 end
@@ -347,7 +366,7 @@ end
 local function ended(acc, rev)
     flush(acc)
     local listed = acc.nfree <= NOTIFY_EACH_MAX
-    if listed then publish(acc.free) else redis.call('PUBLISH', CHANNEL, '*') end
+    if listed then publish(acc.free) else pubany = true end
     local out = { by = { acc.closed, acc.expired, acc.admin }, revision = rev,
         locks = acc.locks, seats = acc.seats, recovered = acc.recovered, failed = acc.failed,
         listed = listed }
@@ -1244,9 +1263,13 @@ end
 -- The record `{ns}:!rid:{key}` is read and written in this same call, so the check, the
 -- change and the record are one atomic step; its expiry is judged on `NOW` and it is also
 -- given a PX so Redis drops it. Failures are not recorded: they changed nothing.
+-- Operations that read the audit log: in a batch, the events of the operations before
+-- them are written first, so they read the log as it stands after those.
+local READS_LOG = { events = true, retention = true, check = true }
+
+-- Runs one operation. Its events wait in `evbuf` for `finish`, which the caller runs.
 local function run(args)
     ARGV = args
-    evseq, evdirty, evbuf, evn = nil, false, {}, 0
     local op = args[2]
     -- >>> actor
     ACTOR = nil
@@ -1265,6 +1288,7 @@ local function run(args)
     end
     local f = OPS[op]
     if not f then return redis.error_reply('unknown operation ' .. tostring(op)) end
+    if READS_LOG[op] then finish() end
     if rid then
         local stored = redis.call('GET', rid.key)
         if stored then
@@ -1276,7 +1300,6 @@ local function run(args)
         end
     end
     local ok, out = pcall(f)
-    finish()
     if not ok then
         if type(out) == 'table' and out.err then return redis.error_reply(out.err) end
         return redis.error_reply(tostring(out))
@@ -1308,15 +1331,25 @@ local function dispatch(_, args)
     -- Written as text where stored: Lua would otherwise format the number afresh ('%.14g')
     -- at every command that takes it.
     NOW_S = string.format('%d', NOW)
-    if args[2] ~= '!batch' then return run(args) end
+    evseq, evdirty, evbuf, evn = nil, false, {}, 0
+    pubbuf, pubseen, pubany = {}, {}, false
+    if args[2] ~= '!batch' then
+        local ok, out = pcall(run, args)
+        finish()
+        if not ok then return redis.error_reply(tostring(out)) end
+        return out
+    end
+    -- Each operation fails alone, and the events of every one that ran are written.
     local answers, i = {}, 3
     while i <= #args do
         local n = tonumber(args[i])
         local one = { args[1] }
         for j = 1, n do one[j + 1] = args[i + j] end
-        answers[#answers + 1] = run(one)
+        local ok, out = pcall(run, one)
+        answers[#answers + 1] = ok and out or redis.error_reply(tostring(out))
         i = i + n + 1
     end
+    finish()
     return answers
 end
 

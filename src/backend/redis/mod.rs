@@ -24,8 +24,9 @@
 //!   refuses a Redis that is not crash-durable unless `redis_allow_volatile` is set (see
 //!   [`Durability`]).
 //! - **Waking waiters.** Scripts that free a key, a seat or a job publish on
-//!   `{namespace}:!free`; each node subscribes and wakes its own waiters, and the head of a
-//!   line asks again at least every second should a message be lost.
+//!   `{namespace}:!free`, one message a call naming all it freed; each node subscribes and
+//!   wakes its own waiters, and the head of a line asks again at least every second should a
+//!   message be lost.
 //!
 //! Standalone Redis (or one primary with replicas) only: the script reads keys it learns
 //! as it runs, which Redis Cluster does not allow.
@@ -443,7 +444,7 @@ impl Redis {
                 namespace: settings.namespace.clone(),
                 url,
                 client,
-                calls: Calls::start(conn.clone(), settings.namespace.clone()),
+                calls: Calls::start(conn.clone(), settings.namespace.clone(), calls::REQUESTS),
                 conn,
                 node: uuid::Uuid::new_v4().simple().to_string(),
                 waiting,
@@ -757,6 +758,18 @@ impl Redis {
         }
     }
 
+    /// Wakes the waiters on what one message names: `*` (everything), or names one a line
+    /// (a call publishes everything it freed in one message).
+    fn woken_by(&self, payload: &str) {
+        if payload == "*" {
+            self.inner.waiting.wake_all();
+            return;
+        }
+        for r in payload.split('\n').filter_map(Resource::from_payload) {
+            self.inner.waiting.wake(&r);
+        }
+    }
+
     /// Wakes this node's waiters on what other nodes free: a subscription of its own,
     /// opened again whenever it breaks; every waiter is woken after a reconnect, since
     /// messages sent meanwhile are lost.
@@ -781,11 +794,7 @@ impl Redis {
                                 Some(m) => {
                                     let payload: String = m.get_payload().unwrap_or_default();
                                     self.inner.ends.notify_one();
-                                    if payload == "*" {
-                                        self.inner.waiting.wake_all();
-                                    } else if let Some(r) = Resource::from_payload(&payload) {
-                                        self.inner.waiting.wake(&r);
-                                    }
+                                    self.woken_by(&payload);
                                 }
                                 None => break,
                             },
