@@ -221,6 +221,56 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_batch_draws_its_revisions_in_order_and_leaves_the_counter_at_the_last() {
+        // Guards against the revisions a batch draws in memory: tokens repeated or out of
+        // order inside it, a raised floor lost, or the counter written back below a token
+        // granted, so that the next call's token would not be greater than every earlier one.
+        let (mut conn, ns) = redis().await;
+        let batch = vec![
+            request("open", &["a", "o", "", "60000"]),
+            request("open", &["b", "o", "", "60000"]),
+            request("acquire", &["a", "k1", "1", "100"]),
+            request("raise_floor", &["1000"]),
+            request("acquire", &["b", "k2", "1", "100"]),
+        ];
+        let answers: Vec<serde_json::Value> = send(&mut conn, &ns, batch)
+            .await
+            .into_iter()
+            .map(|a| serde_json::from_str(&a.unwrap()).unwrap())
+            .collect();
+        assert_eq!(answers[0]["revision"], 1, "{answers:?}");
+        assert_eq!(answers[1]["revision"], 2, "{answers:?}");
+        assert_eq!(answers[2]["granted"], 3, "{answers:?}");
+        assert_eq!(answers[3]["revision"], 1001, "{answers:?}");
+        assert_eq!(answers[4]["granted"], 1002, "{answers:?}");
+        let stored: u64 = ::redis::cmd("GET")
+            .arg(format!("{ns}:!rev"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(stored, 1002);
+        let lone = send(
+            &mut conn,
+            &ns,
+            vec![request("acquire", &["a", "k3", "1", "100"])],
+        )
+        .await;
+        let lone: serde_json::Value = serde_json::from_str(lone[0].as_ref().unwrap()).unwrap();
+        assert_eq!(lone["granted"], 1003, "{lone}");
+        let mut keys: Vec<String> = ::redis::cmd("KEYS")
+            .arg(format!("{ns}:*"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        keys.sort();
+        let _: () = ::redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
     async fn concurrent_calls_all_get_their_own_answer() {
         // Guards against requests lost or crossed while they wait to go together.
         let (conn, ns) = redis().await;

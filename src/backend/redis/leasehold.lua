@@ -19,7 +19,8 @@
 --   it first checks that it exists and is live.
 -- * Ending a session (`end_one`) releases its locks and seats, settles its jobs, writes its
 --   events and deletes it, all in the calling operation.
--- * Every mutation draws its revision from `INCR {ns}:!rev`; a grant's token is its
+-- * Every mutation draws its revision from `INCR {ns}:!rev` (a batch: the first with `INCR`,
+--   the rest in memory, the last written back when the call finishes); a grant's token is its
 --   revision, so tokens only grow, across nodes and (with append-only persistence)
 --   restarts.
 -- * Audit events go to the stream `{ns}:!events`, numbered by `INCR {ns}:!evseq` in the
@@ -97,13 +98,25 @@ local function now_ms()
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function draw() return redis.call('INCR', K_REV) end
-local function revision() return tonumber(redis.call('GET', K_REV) or '0') end
+-- The revision counter, like the event counter below: a call's first draw takes its number
+-- with one `INCR`; its later draws number on in memory, and `finish` writes the last back
+-- once. Redis runs one call at a time, so no other call sees the counter in between.
+local revseq, revdirty = nil, false
+local function draw()
+    if revseq then
+        revseq = revseq + 1
+        revdirty = true
+    else
+        revseq = redis.call('INCR', K_REV)
+    end
+    return revseq
+end
+local function revision() return revseq or tonumber(redis.call('GET', K_REV) or '0') end
 
 -- The event counter: the first event of a call takes its number with one `INCR`; the
 -- call's later events number on from it in memory and `finish` writes the last number back
 -- once, so a reap of thousands of sessions does not `INCR` it thousands of times.
--- `run` forgets both, and the events not yet written, at the start of every operation.
+-- `dispatch` forgets both, and the events not yet written, at the start of every call.
 local evseq, evdirty = nil, false
 local evbuf, evn = {}, 0
 -- What the call freed, published by `finish`: the names in order, each once, or `*`.
@@ -139,6 +152,8 @@ local function finish()
     end
     if evdirty then redis.call('SET', K_EVSEQ, string.format('%d', evseq)) end
     evbuf, evn, evdirty = {}, 0, false
+    if revdirty then redis.call('SET', K_REV, string.format('%d', revseq)) end
+    revdirty = false
     if pubany then
         redis.call('PUBLISH', CHANNEL, '*')
     else
@@ -691,7 +706,10 @@ end
 function OPS.raise_floor()
     local floor = tonumber(ARGV[3])
     local previous = revision()
-    if floor > previous then redis.call('SET', K_REV, ARGV[3]) end
+    if floor > previous then
+        -- Written by `finish` with the draw below.
+        revseq, revdirty = floor, true
+    end
     local rev = draw()
     -- The same detail as `floor_detail` writes on the other backends.
     event({ kind = 'token_floor_raised',
@@ -1332,6 +1350,7 @@ local function dispatch(_, args)
     -- at every command that takes it.
     NOW_S = string.format('%d', NOW)
     evseq, evdirty, evbuf, evn = nil, false, {}, 0
+    revseq, revdirty = nil, false
     pubbuf, pubseen, pubany = {}, {}, false
     if args[2] ~= '!batch' then
         local ok, out = pcall(run, args)
