@@ -20,7 +20,7 @@ use crate::backend::batch::{Batcher, Limits};
 /// How requests go: the first at once; while calls are unanswered, the requests that arrive
 /// meanwhile gather, and a call goes beside the ones unanswered only for a batch worth it.
 /// At most 256 operations a call, so a batch holds Redis for a bounded time.
-pub const REQUESTS: Limits = Limits {
+const REQUESTS: Limits = Limits {
     in_flight: 4,
     max_batch: 256,
     extra_from: 16,
@@ -120,9 +120,9 @@ pub struct Calls {
 }
 
 impl Calls {
-    pub fn start(conn: ConnectionManager, namespace: String, limits: Limits) -> Calls {
+    pub fn start(conn: ConnectionManager, namespace: String) -> Calls {
         let namespace: Arc<str> = Arc::from(namespace);
-        let batcher = Batcher::start(limits, move |batch: Vec<Request>| {
+        let batcher = Batcher::start(REQUESTS, move |batch: Vec<Request>| {
             let (mut conn, namespace) = (conn.clone(), namespace.clone());
             async move { send(&mut conn, &namespace, batch).await }
         });
@@ -274,7 +274,7 @@ mod tests {
     async fn concurrent_calls_all_get_their_own_answer() {
         // Guards against requests lost or crossed while they wait to go together.
         let (conn, ns) = redis().await;
-        let calls = Calls::start(conn.clone(), ns.clone(), REQUESTS);
+        let calls = Calls::start(conn.clone(), ns.clone());
         let mut tasks = Vec::new();
         for i in 0..300 {
             let calls = calls.clone();

@@ -98,50 +98,49 @@ local function now_ms()
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The revision counter, like the event counter below: a call's first draw takes its number
--- with one `INCR`; its later draws number on in memory, and `finish` writes the last back
--- once. Redis runs one call at a time, so no other call sees the counter in between.
-local revseq, revdirty = nil, false
-local function draw()
-    if revseq then
-        revseq = revseq + 1
-        revdirty = true
+-- The counters a call draws from, the revision (`{ns}:!rev`) and the event number
+-- (`{ns}:!evseq`): a call's first draw from one takes its number with one `INCR`; its later
+-- draws number on in memory (`n`), and `finish` writes the last back once (`dirty`), so a
+-- batch of hundreds or a reap of thousands does not `INCR` either for each. Redis runs one
+-- call at a time, so no other call sees a counter in between. `dispatch` forgets both at
+-- the start of every call.
+local REV, EVSEQ = { n = nil, dirty = false }, { n = nil, dirty = false }
+local function draw_from(c, key)
+    if c.n then
+        c.n = c.n + 1
+        c.dirty = true
     else
-        revseq = redis.call('INCR', K_REV)
+        c.n = redis.call('INCR', key)
     end
-    return revseq
+    return c.n
 end
-local function revision() return revseq or tonumber(redis.call('GET', K_REV) or '0') end
+local function write_back(c, key)
+    if c.dirty then redis.call('SET', key, string.format('%d', c.n)) end
+    c.dirty = false
+end
+local function draw() return draw_from(REV, K_REV) end
+local function revision() return REV.n or tonumber(redis.call('GET', K_REV) or '0') end
 
--- The event counter: the first event of a call takes its number with one `INCR`; the
--- call's later events number on from it in memory and `finish` writes the last number back
--- once, so a reap of thousands of sessions does not `INCR` it thousands of times.
--- `dispatch` forgets both, and the events not yet written, at the start of every call.
-local evseq, evdirty = nil, false
+-- The events not yet written: their JSON in order, numbered up to EVSEQ.n.
 local evbuf, evn = {}, 0
 -- What the call freed, published by `finish`: the names in order, each once, or `*`.
 local pubbuf, pubseen, pubany = {}, {}, false
 local function event(e)
-    if evseq then
-        evseq = evseq + 1
-        evdirty = true
-    else
-        evseq = redis.call('INCR', K_EVSEQ)
-    end
-    e.seq = evseq
+    e.seq = draw_from(EVSEQ, K_EVSEQ)
     e.at = NOW
     if ACTOR and ACTOR_KINDS[e.kind] then e.actor = ACTOR end -- actor (see above)
     evn = evn + 1
     evbuf[evn] = cjson.encode(e)
 end
--- Writes the operation's events (see the rules above) and the counter; run after every
--- operation, failed or not, so each event it numbered is in the log once. A second call
--- writes nothing.
+-- Writes the call's events (see the rules above), both counters and what it freed; run at
+-- the end of every call, failed or not, so each event it numbered is in the log once. A
+-- second run writes nothing.
 local function finish()
+    local last = EVSEQ.n
     if evn == 1 then
-        redis.call('XADD', K_EVENTS, string.format('%d-1', evseq), 'e', evbuf[1])
+        redis.call('XADD', K_EVENTS, string.format('%d-1', last), 'e', evbuf[1])
     elseif evn > 1 then
-        local first = evseq - evn + 1
+        local first = last - evn + 1
         local i = 1
         while i <= evn do
             local j = math.min(i + EVENTS_PER_ENTRY - 1, evn)
@@ -150,10 +149,9 @@ local function finish()
             i = j + 1
         end
     end
-    if evdirty then redis.call('SET', K_EVSEQ, string.format('%d', evseq)) end
-    evbuf, evn, evdirty = {}, 0, false
-    if revdirty then redis.call('SET', K_REV, string.format('%d', revseq)) end
-    revdirty = false
+    evbuf, evn = {}, 0
+    write_back(EVSEQ, K_EVSEQ)
+    write_back(REV, K_REV)
     if pubany then
         redis.call('PUBLISH', CHANNEL, '*')
     else
@@ -708,7 +706,7 @@ function OPS.raise_floor()
     local previous = revision()
     if floor > previous then
         -- Written by `finish` with the draw below.
-        revseq, revdirty = floor, true
+        REV.n, REV.dirty = floor, true
     end
     local rev = draw()
     -- The same detail as `floor_detail` writes on the other backends.
@@ -1339,6 +1337,14 @@ local function run(args)
     return out
 end
 
+-- One operation's answer: what it returned, or what it raised as an error reply (the call
+-- goes on, so its other operations and its `finish` still run).
+local function answer_of(args)
+    local ok, out = pcall(run, args)
+    if ok then return out end
+    return redis.error_reply(tostring(out))
+end
+
 -- A call is one operation, `[namespace, op, args...]`, or a batch of them sent together by
 -- a node, `[namespace, '!batch', n, op, args..., n, op, args...]` (each `n` counting its op
 -- and arguments), answered by a list of their answers in order. Every operation of a call
@@ -1349,13 +1355,12 @@ local function dispatch(_, args)
     -- Written as text where stored: Lua would otherwise format the number afresh ('%.14g')
     -- at every command that takes it.
     NOW_S = string.format('%d', NOW)
-    evseq, evdirty, evbuf, evn = nil, false, {}, 0
-    revseq, revdirty = nil, false
+    REV.n, REV.dirty, EVSEQ.n, EVSEQ.dirty = nil, false, nil, false
+    evbuf, evn = {}, 0
     pubbuf, pubseen, pubany = {}, {}, false
     if args[2] ~= '!batch' then
-        local ok, out = pcall(run, args)
+        local out = answer_of(args)
         finish()
-        if not ok then return redis.error_reply(tostring(out)) end
         return out
     end
     -- Each operation fails alone, and the events of every one that ran are written.
@@ -1364,8 +1369,7 @@ local function dispatch(_, args)
         local n = tonumber(args[i])
         local one = { args[1] }
         for j = 1, n do one[j + 1] = args[i + j] end
-        local ok, out = pcall(run, one)
-        answers[#answers + 1] = ok and out or redis.error_reply(tostring(out))
+        answers[#answers + 1] = answer_of(one)
         i = i + n + 1
     end
     finish()

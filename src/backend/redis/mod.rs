@@ -444,7 +444,7 @@ impl Redis {
                 namespace: settings.namespace.clone(),
                 url,
                 client,
-                calls: Calls::start(conn.clone(), settings.namespace.clone(), calls::REQUESTS),
+                calls: Calls::start(conn.clone(), settings.namespace.clone()),
                 conn,
                 node: uuid::Uuid::new_v4().simple().to_string(),
                 waiting,
