@@ -3,7 +3,7 @@
 //!
 //! Calls go through one task ([`Batcher`]). A request is sent at once, alone, while no call
 //! to Redis is unanswered; while calls are, the requests that arrive meanwhile wait and go
-//! together as one `FCALL` of the batch operation (see [`REQUESTS`]). So a lone request
+//! together as one `FCALL` of the batch operation (see `REQUESTS`). So a lone request
 //! costs one round trip as before, and a busy node pays Redis's per-command
 //! cost (the parse, the function call, the reply, the append-only file's wrapping) once per
 //! batch rather than once per request. Each operation of a batch still runs whole and alone,
