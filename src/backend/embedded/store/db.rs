@@ -4,9 +4,12 @@
 //! After any failed write the store refuses every later one (fail-stop): a retry could
 //! acknowledge something a torn commit lost.
 
+use std::collections::HashSet;
+use std::hash::BuildHasherDefault;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use parking_lot::RwLock;
 use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable};
 
 use super::endlog;
@@ -14,6 +17,7 @@ use super::error::StoreError;
 use super::fault::{FaultSwitch, FaultyBackend};
 use super::migrate;
 use super::tables::{self, META, META_SCHEMA, SCHEMA_VERSION};
+use crate::domain::ids::SessionIdHasher;
 
 /// Sessions per transaction when the pending ends are applied at open.
 const OPEN_APPLY_SESSIONS: usize = 50_000;
@@ -21,11 +25,21 @@ const OPEN_APPLY_SESSIONS: usize = 50_000;
 /// The file inside the data directory.
 pub const DATA_FILE: &str = "leasehold.redb";
 
+/// The ids of sessions with ends pending; drawn by the server, so hashed by their own bits.
+pub(super) type EndedIds = HashSet<u128, BuildHasherDefault<SessionIdHasher>>;
+
 pub struct Store {
     pub(super) db: Database,
     path: PathBuf,
     /// Set by the first failed write; never cleared while the process lives.
     pub(super) failed: AtomicBool,
+    /// The sessions named by committed end-log records not yet applied: their locks may still
+    /// be in the lock table, and reads of it hide them. Sessions are added once the record
+    /// has committed and removed once the commit that applied it has; a read holds the read
+    /// side from before it opens its transaction until it has filtered, so the snapshot it
+    /// reads and the set it filters by agree (a removal waits for it, and a read after a
+    /// removal sees the applied commit).
+    pub(super) ended: RwLock<EndedIds>,
 }
 
 impl std::fmt::Debug for Store {
@@ -83,8 +97,9 @@ impl Store {
             match schema {
                 None | Some(SCHEMA_VERSION) => {}
                 // Schema 3 lacks only `end_log`, which `create_all` adds; schema 2's events,
-                // all of format 1, read as they are: only the stamp changes.
-                Some(from @ (2 | 3)) => tracing::info!(
+                // all of format 1, read as they are; schema 4's end-log records apply as
+                // they are: only the stamp changes.
+                Some(from @ (2..=4)) => tracing::info!(
                     path = %path.display(),
                     "data file migrated from schema {from} to {SCHEMA_VERSION}"
                 ),
@@ -117,6 +132,7 @@ impl Store {
             db,
             path,
             failed: AtomicBool::new(false),
+            ended: RwLock::default(),
         };
         store.apply_all_ends()?;
         Ok(store)
@@ -128,7 +144,7 @@ impl Store {
         let mut applied = 0;
         loop {
             let txn = self.db.begin_write().map_err(StoreError::redb)?;
-            let n = endlog::apply(&txn, OPEN_APPLY_SESSIONS)?;
+            let n = endlog::apply(&txn, OPEN_APPLY_SESSIONS)?.len();
             if n == 0 {
                 // Nothing was pending: the empty transaction is dropped, not committed.
                 break;

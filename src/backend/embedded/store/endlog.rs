@@ -1,22 +1,29 @@
 //! The end log: the sessions reaper passes ended, one record per pass, whose rows are
 //! deleted later in sorted batches.
 //!
-//! A pass's commit writes at once everything another write or a read could later touch: the
-//! audit events of the sessions it ended (in sequence order, hash chained), the deletes of
-//! their grants (`locks`, `row_locks`: lock reads are served from the table), seats and jobs.
-//! Only the deletes of the sessions' own rows — `session_ids`, `session_rows` and
-//! `sessions_by_owner`, two of them keyed by the random id — are deferred: the commit
-//! appends one `end_log` record naming the sessions instead. Memory is the authority on
-//! which sessions are live, and every read of those rows passes through it.
+//! A pass's commit writes at once what another write could later depend on: the audit events
+//! of the sessions it ended (in sequence order, hash chained) and the deletes of their seats
+//! and jobs. The deletes of the sessions' own rows (`session_ids`, `session_rows`,
+//! `sessions_by_owner`) and of their grants (`locks`, `row_locks`) are deferred: the commit
+//! appends one `end_log` record naming the sessions instead. Those are the deletes that
+//! scatter: the ids are random and lock keys are the users', so a pass of a few hundred
+//! sessions would dirty a page per session. Applied later, many records at once and sorted,
+//! neighbouring deletes share their pages.
 //!
 //! Invariants that make the deferral sound:
 //! - a record commits in the transaction of the pass's events, so a record exists exactly
-//!   when the sessions it names are ended in the audit log and still have their rows;
-//! - a session id is never reused, so deleting its rows late cannot hit a later session;
+//!   when the sessions it names are ended in the audit log and may still have rows;
+//! - memory is the authority on which sessions are live and which locks are held, and every
+//!   read of a session row passes through it; a read of the lock table passes through the
+//!   store's set of sessions with ends pending ([`super::db::Store`]), so a lock of an ended
+//!   session is never shown held;
+//! - a session id is never reused, so deleting its rows late cannot hit a later session; a
+//!   lock is deleted only while the ended session still holds it, so a later grant of the
+//!   same key is kept;
 //! - applying is idempotent (every delete tolerates an absent row), and deletes the record
 //!   in the transaction that applies it: a crash before that commit applies it again;
 //! - `Store::open` applies every pending record before anything is loaded, so a restart
-//!   never brings an ended session back.
+//!   never brings an ended session or its locks back.
 
 use redb::{ReadableTable, ReadableTableMetadata, Table, WriteTransaction};
 use serde::{Deserialize, Serialize};
@@ -27,7 +34,7 @@ pub(super) use super::tables::END_LOG;
 use super::tables::{
     LOCKS, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SESSIONS_BY_OWNER, SessionRowHead, corrupt, row_of,
 };
-use crate::domain::{Change, SessionId};
+use crate::domain::{Change, LockRecord, SessionId};
 
 /// The sessions one reaper pass ended, whose rows are still to be deleted. Postcard is
 /// positional: fields are only appended.
@@ -45,8 +52,10 @@ impl Ended {
         self.sessions.clear();
     }
 
-    /// Takes the session deletes out of `changes[from..]`, keeping every other change in
-    /// its order. Only for sessions a reaper pass ended: nothing refers to them again.
+    /// Takes the session and lock deletes out of `changes[from..]`, keeping every other
+    /// change in its order. Only for the changes of a reaper pass: every lock delete there
+    /// is an ended session's, and applying the record finds the session's locks through the
+    /// grant index.
     pub fn take_from(&mut self, changes: &mut Vec<Change>, from: usize) {
         let mut tail = changes.split_off(from);
         tail.retain(|c| match c {
@@ -54,6 +63,7 @@ impl Ended {
                 self.sessions.push(id.as_u128());
                 false
             }
+            Change::DeleteLock { .. } => false,
             _ => true,
         });
         changes.append(&mut tail);
@@ -115,6 +125,25 @@ impl<'t> SessionTables<'t> {
     }
 }
 
+impl SessionTables<'_> {
+    /// Deletes an ended session's grant of `key` from the index, and the lock itself only
+    /// while that session still holds it: a later grant of the key stays.
+    fn delete_ended_grant(&mut self, key: &str, row: u64, id: u128) -> Result<(), StoreError> {
+        self.index.remove((row, key)).map_err(StoreError::redb)?;
+        let held = match self.locks.get(key).map_err(StoreError::redb)? {
+            Some(bytes) => {
+                let lock: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+                lock.session_id.as_u128() == id
+            }
+            None => false,
+        };
+        if held {
+            self.locks.remove(key).map_err(StoreError::redb)?;
+        }
+        Ok(())
+    }
+}
+
 /// Appends `ended` as the next record.
 pub(super) fn append(txn: &WriteTransaction, ended: &Ended) -> Result<(), StoreError> {
     let mut log = txn.open_table(END_LOG).map_err(StoreError::redb)?;
@@ -128,9 +157,9 @@ pub(super) fn append(txn: &WriteTransaction, ended: &Ended) -> Result<(), StoreE
 }
 
 /// Applies the oldest pending records, whole, until at least `limit` sessions are applied or
-/// none is left, and deletes them; returns the sessions applied. The deletes are made in row
-/// order, so neighbouring rows share their page.
-pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<usize, StoreError> {
+/// none is left, and deletes them; returns the sessions applied. The session deletes are made
+/// in row order and the lock deletes in key order, so neighbouring deletes share their page.
+pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<Vec<u128>, StoreError> {
     let mut log = txn.open_table(END_LOG).map_err(StoreError::redb)?;
     let mut taken = Vec::new();
     let mut sessions = Vec::new();
@@ -152,10 +181,27 @@ pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<usize, Store
         rows.push((row_of(&t.ids, SessionId::from_u128(id))?, id));
     }
     rows.sort_unstable();
+    // The grants first, found through the grant index while the rows still name them.
+    let mut grants = Vec::new();
+    for &(row, id) in &rows {
+        let Some(row) = row else { continue };
+        for entry in t
+            .index
+            .range((row, "")..(row + 1, ""))
+            .map_err(StoreError::redb)?
+        {
+            let (entry, _) = entry.map_err(StoreError::redb)?;
+            grants.push((entry.value().1.to_string(), row, id));
+        }
+    }
+    grants.sort_unstable();
+    for (key, row, id) in &grants {
+        t.delete_ended_grant(key, *row, *id)?;
+    }
     for (_, id) in &rows {
         t.delete_session(*id)?;
     }
-    Ok(rows.len())
+    Ok(rows.into_iter().map(|(_, id)| id).collect())
 }
 
 /// How many records are pending.

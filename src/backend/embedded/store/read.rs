@@ -103,10 +103,13 @@ impl Store {
         Ok(out)
     }
 
+    /// The lock on `key`, unless it is free or its holder's end is pending in the end log.
     pub fn lock(&self, key: &str) -> Result<Option<LockRecord>, StoreError> {
+        let ended = self.ended.read();
         let txn = self.read()?;
         let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        decoded(table.get(key).map_err(StoreError::redb)?, "lock")
+        let found: Option<LockRecord> = decoded(table.get(key).map_err(StoreError::redb)?, "lock")?;
+        Ok(found.filter(|lock| !ended.contains(&lock.session_id.as_u128())))
     }
 
     /// Held locks in key order whose key starts with `prefix`, after the key `after`.
@@ -116,6 +119,8 @@ impl Store {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<(String, LockRecord)>, StoreError> {
+        // Held across the transaction: see `Store::ended`.
+        let ended = self.ended.read();
         let txn = self.read()?;
         let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
         let mut out = Vec::new();
@@ -135,10 +140,10 @@ impl Store {
             if !key.starts_with(prefix) {
                 break;
             }
-            out.push((
-                key.to_string(),
-                codec::decode(bytes.value()).map_err(corrupt("lock"))?,
-            ));
+            let lock: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            if !ended.contains(&lock.session_id.as_u128()) {
+                out.push((key.to_string(), lock));
+            }
         }
         Ok(out)
     }

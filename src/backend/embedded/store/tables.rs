@@ -1,7 +1,7 @@
 //! The table layout of the data file, and the helpers every reader of its rows shares.
 //!
-//! Tables (schema 4; schema 3 had the same without `end_log`, schema 2 also had every event in
-//! record format 1):
+//! Tables (schema 5; schema 4 deferred only the session rows of an end-log record, schema 3
+//! had the same without `end_log`, schema 2 also had every event in record format 1):
 //! - `meta`: the durable counters (`revision`, `event_seq`, `session_row`) and the schema
 //!   version;
 //! - `session_rows`: row number → [`SessionRow`] (the public id and its `SessionRecord`), with
@@ -9,7 +9,9 @@
 //!   session id) as the owner index;
 //! - `locks`: key → `LockRecord`, with `row_locks` (row, key) as the session → grants index.
 //!   redb has no foreign keys, so the cascade is emulated: the domain emits one `DeleteLock`
-//!   per grant of an ending session and they commit in the same transaction.
+//!   per grant of an ending session and they commit in the same transaction, except for the
+//!   sessions a reaper pass ends, whose grants go with their rows when their end-log record
+//!   is applied.
 //!
 //! Why rows: session ids are random (they are capabilities), so rows keyed by them put every
 //! session on a random page of each table, and a mass end dirtied nearly every page of
@@ -24,8 +26,9 @@
 //!   `jobs_by_state` (queue, state, job id) for listing dead letters and `session_jobs`
 //!   (session id, job id) for the claims a session holds;
 //! - `events`: sequence number → `Event`, the audit log;
-//! - `end_log` (schema 4): record number → the session and grant deletes of one reaper pass,
-//!   pending until applied in a later batch ([`super::endlog`]).
+//! - `end_log` (schema 4): record number → the sessions of one reaper pass whose rows and
+//!   grants (schema 5) are still to be deleted, pending until applied in a later batch
+//!   ([`super::endlog`]).
 //!
 //! [`ALL`] names every table of the current schema, for whatever must visit them all (the
 //! migration's check, a backup). Schema 1 (release 0.1.0) kept sessions in `sessions`
@@ -106,7 +109,12 @@ pub(super) const META_SESSION_ROW: &str = "session_row";
 /// would load the sessions a pending record ended as live, and end them a second time in
 /// the audit log; stamping the file 4 makes it refuse the file. From 3 the table is only
 /// created.
-pub(super) const SCHEMA_VERSION: u64 = 4;
+/// 5: an end-log record's sessions keep their grants in `locks` and `row_locks` until it is
+/// applied. A build of schema 4 would apply such a record without deleting them and then find
+/// locks held by sessions that do not exist; stamping the file 5 makes it refuse the file.
+/// From 4 nothing changes: a schema-4 record's grants are already gone, and applying it finds
+/// none.
+pub(super) const SCHEMA_VERSION: u64 = 5;
 
 /// A stored session: its public id travels in the row, which is keyed by row number.
 ///

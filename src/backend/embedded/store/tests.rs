@@ -497,6 +497,86 @@ fn deferred_ends_check_clean_and_survive_a_crash_applied_once() {
     assert_eq!(ends_per_session(&store), ends);
 }
 
+/// The locks in the lock table itself, hidden or not.
+fn stored_locks(store: &Store) -> Vec<(String, SessionId)> {
+    use redb::{ReadableDatabase, ReadableTable};
+    let txn = store.db.begin_read().unwrap();
+    let table = txn.open_table(super::tables::LOCKS).unwrap();
+    table
+        .iter()
+        .unwrap()
+        .map(|row| {
+            let (k, v) = row.unwrap();
+            let lock: LockRecord = super::codec::decode(v.value()).unwrap();
+            (k.value().to_string(), lock.session_id)
+        })
+        .collect()
+}
+
+/// A reaper pass's grants stay in the lock table until its record is applied, and no read
+/// shows them meanwhile; applying deletes them, but not a later grant of the same key.
+#[test]
+fn deferred_grants_are_hidden_until_applied_and_a_later_grant_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    let ids = sessions_with_locks(&store, &mut state, 3);
+    assert_eq!(reap_deferred(&store, &mut state, 5_000), 3);
+    let mut fx = Effects::default();
+    let live = SessionId::random();
+    state
+        .open(
+            live,
+            "b".into(),
+            Some(60_000),
+            String::new(),
+            at(5_001),
+            &mut fx,
+        )
+        .unwrap();
+    let k1 = LockKey::parse("key", "k1").unwrap();
+    state.acquire(live, &k1, at(5_001), &mut fx).unwrap();
+    commit(&store, &state, &mut fx);
+
+    // Deferred: the ended sessions' k0 and k2 are still stored, k1 is the live grant.
+    let mut stored = stored_locks(&store);
+    stored.sort();
+    let expect = vec![
+        ("k0".to_string(), ids[0]),
+        ("k1".to_string(), live),
+        ("k2".to_string(), ids[2]),
+    ];
+    assert_eq!(stored, expect);
+    // No read shows them.
+    assert_eq!(store.lock("k0").unwrap(), None);
+    assert_eq!(store.lock("k2").unwrap(), None);
+    assert_eq!(store.lock("k1").unwrap().unwrap().session_id, live);
+    let listed = store.locks("", None, 10).unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].0.as_str(), listed[0].1.session_id), ("k1", live));
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!((report.sessions, report.locks), (1, 1));
+
+    // Applied: the ended grants are gone from the table, the later grant of k1 is kept.
+    let applied = store
+        .commit(&Batch {
+            revision: state.revision(),
+            event_seq: state.event_seq(),
+            apply_ended: 100,
+            ..Default::default()
+        })
+        .unwrap()
+        .ends_applied;
+    assert_eq!(applied, 3);
+    assert_eq!(stored_locks(&store), vec![("k1".to_string(), live)]);
+    assert_eq!(store.session_locks(live).unwrap().len(), 1);
+    assert!(store.ended.read().is_empty());
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!((report.sessions, report.locks), (1, 1));
+}
+
 /// Applying in a batch takes whole records, oldest first, until the asked-for count, and
 /// leaves the rest pending.
 #[test]
@@ -551,10 +631,10 @@ fn check_reports_an_end_log_record_without_its_sessions() {
     assert!(report.problems[0].contains("end log"));
 }
 
-/// A schema-3 file (no `end_log`) opens at schema 4 with the table created and everything
-/// kept.
+/// A schema-3 file (no `end_log`) opens at the current schema with the table created and
+/// everything kept.
 #[test]
-fn a_schema_3_file_migrates_to_4() {
+fn a_schema_3_file_migrates_to_the_current_schema() {
     use redb::ReadableDatabase;
 
     use super::tables::{META, META_SCHEMA, SCHEMA_VERSION};
@@ -574,11 +654,11 @@ fn a_schema_3_file_migrates_to_4() {
         txn.commit().unwrap();
     }
     let store = Store::open(dir.path(), 1 << 20).unwrap();
-    assert_eq!(SCHEMA_VERSION, 4);
+    assert_eq!(SCHEMA_VERSION, 5);
     {
         let read = store.db.begin_read().unwrap();
         let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
-        assert_eq!(schema.map(|v| v.value()), Some(4));
+        assert_eq!(schema.map(|v| v.value()), Some(5));
     }
     assert_eq!(store.pending_ends().unwrap(), 0);
     let restore = store.load().unwrap();

@@ -61,13 +61,28 @@ impl Store {
         let mut committed = apply(&txn, batch)?;
         // After the batch's own changes: a record is applied no sooner than the commit
         // after the one that appended it.
-        if batch.apply_ended > 0 {
-            committed.ends_applied = endlog::apply(&txn, batch.apply_ended)?;
-        }
-        if let Some(ended) = batch.ended.filter(|e| !e.is_empty()) {
+        let applied = if batch.apply_ended > 0 {
+            endlog::apply(&txn, batch.apply_ended)?
+        } else {
+            Vec::new()
+        };
+        committed.ends_applied = applied.len();
+        let appended = batch.ended.filter(|e| !e.is_empty());
+        if let Some(ended) = appended {
             endlog::append(&txn, ended)?;
         }
         txn.commit().map_err(StoreError::redb)?;
+        // Only now: a read must not hide a lock before its end is durable, nor show one
+        // after the delete that applied the end is.
+        if appended.is_some() || !applied.is_empty() {
+            let mut pending = self.ended.write();
+            for id in &applied {
+                pending.remove(id);
+            }
+            if let Some(ended) = appended {
+                pending.extend(ended.sessions.iter().copied());
+            }
+        }
         Ok(committed)
     }
 }
