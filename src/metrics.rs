@@ -119,6 +119,8 @@ pub struct Metrics {
     pub sessions_active: Gauge,
     pub locks_held: Gauge,
     pub waiters: Gauge,
+    /// Sessions a reaper pass ended whose rows are still to be deleted (the embedded end log).
+    pub end_log_sessions: Gauge,
     /// Session watches (`GET /v1/sessions/{id}/watch` streams) open on this node.
     pub watches_open: Gauge,
     pub store_failed: Gauge,
@@ -201,6 +203,7 @@ impl Metrics {
             sessions_active: Gauge::default(),
             locks_held: Gauge::default(),
             waiters: Gauge::default(),
+            end_log_sessions: Gauge::default(),
             watches_open: Gauge::default(),
             store_failed: Gauge::default(),
             ready: Gauge::default(),
@@ -240,6 +243,11 @@ impl Metrics {
             "waiters",
             "Requests waiting for a lock, a seat or a job",
             m.waiters.clone(),
+        );
+        registry.register(
+            "end_log_sessions",
+            "Sessions the reaper ended whose rows and grants are still to be deleted (embedded store)",
+            m.end_log_sessions.clone(),
         );
         registry.register(
             "watches_open",

@@ -287,10 +287,14 @@ impl Writer {
                 pend(pending, reply, r);
             }
             Command::Reap { size, reply } => {
-                if let PassSize::Paced = size {
-                    self.storm = true;
-                }
                 let outcome = self.reap_pass(state, at, size);
+                if let PassSize::Paced = size {
+                    // A storm is on while sessions are still due after the pass. Not merely
+                    // because a pass ran: the reaper's pass every interval would otherwise
+                    // keep a storm on with nothing due, and the end log would wait for other
+                    // traffic to be applied.
+                    self.storm = state.earliest_deadline().is_some_and(|d| d <= at.now);
+                }
                 let fx = &mut self.fx;
                 // Each reaper pass also purges finished jobs and trims old audit events,
                 // in the same bounded way.

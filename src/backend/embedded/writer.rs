@@ -222,6 +222,7 @@ impl Writer {
                     } else {
                         (self.backlog + self.ended.sessions.len()).saturating_sub(done.ends_applied)
                     };
+                    m.end_log_sessions.set(self.backlog as i64);
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "commit failed; refusing writes from now on");

@@ -57,16 +57,19 @@ impl Ended {
     /// is an ended session's, and applying the record finds the session's locks through the
     /// grant index.
     pub fn take_from(&mut self, changes: &mut Vec<Change>, from: usize) {
-        let mut tail = changes.split_off(from);
-        tail.retain(|c| match c {
-            Change::DeleteSession { id } => {
-                self.sessions.push(id.as_u128());
-                false
+        // Compacted in place: a storm's passes move no change twice.
+        let mut kept = from;
+        for i in from..changes.len() {
+            match &changes[i] {
+                Change::DeleteSession { id } => self.sessions.push(id.as_u128()),
+                Change::DeleteLock { .. } => {}
+                _ => {
+                    changes.swap(kept, i);
+                    kept += 1;
+                }
             }
-            Change::DeleteLock { .. } => false,
-            _ => true,
-        });
-        changes.append(&mut tail);
+        }
+        changes.truncate(kept);
     }
 }
 
