@@ -428,6 +428,26 @@ fn reap_deferred(store: &Store, state: &mut State, ms: u64) -> usize {
     ended.len()
 }
 
+/// Opens a long-lived session at 5 001 ms, after the ended sessions' deadline, and commits
+/// it holding `key`.
+fn live_holding(store: &Store, state: &mut State, key: &LockKey) -> SessionId {
+    let mut fx = Effects::default();
+    let live = SessionId::random();
+    state
+        .open(
+            live,
+            "b".into(),
+            Some(60_000),
+            String::new(),
+            at(5_001),
+            &mut fx,
+        )
+        .unwrap();
+    state.acquire(live, key, at(5_001), &mut fx).unwrap();
+    commit(store, state, &mut fx);
+    live
+}
+
 /// How many times each session id appears in an end event.
 fn ends_per_session(store: &Store) -> std::collections::HashMap<String, usize> {
     let mut seen = std::collections::HashMap::new();
@@ -455,21 +475,8 @@ fn deferred_ends_check_clean_and_survive_a_crash_applied_once() {
     let ids = sessions_with_locks(&store, &mut state, 50);
     assert_eq!(reap_deferred(&store, &mut state, 5_000), 50);
     // A live session takes the first ended session's key before the log is applied.
-    let mut fx = Effects::default();
-    let live = SessionId::random();
-    state
-        .open(
-            live,
-            "b".into(),
-            Some(60_000),
-            String::new(),
-            at(5_001),
-            &mut fx,
-        )
-        .unwrap();
     let k0 = LockKey::parse("key", "k0").unwrap();
-    state.acquire(live, &k0, at(5_001), &mut fx).unwrap();
-    commit(&store, &state, &mut fx);
+    let live = live_holding(&store, &mut state, &k0);
     assert_eq!(store.pending_ends().unwrap(), 1);
     assert_eq!(store.lock("k0").unwrap().unwrap().session_id, live);
     assert_eq!(store.lock("k1").unwrap(), None);
@@ -522,21 +529,7 @@ fn deferred_grants_are_hidden_until_applied_and_a_later_grant_stays() {
     let mut state = State::new(Limits::default());
     let ids = sessions_with_locks(&store, &mut state, 3);
     assert_eq!(reap_deferred(&store, &mut state, 5_000), 3);
-    let mut fx = Effects::default();
-    let live = SessionId::random();
-    state
-        .open(
-            live,
-            "b".into(),
-            Some(60_000),
-            String::new(),
-            at(5_001),
-            &mut fx,
-        )
-        .unwrap();
-    let k1 = LockKey::parse("key", "k1").unwrap();
-    state.acquire(live, &k1, at(5_001), &mut fx).unwrap();
-    commit(&store, &state, &mut fx);
+    let live = live_holding(&store, &mut state, &LockKey::parse("key", "k1").unwrap());
 
     // Deferred: the ended sessions' k0 and k2 are still stored, k1 is the live grant.
     let mut stored = stored_locks(&store);
