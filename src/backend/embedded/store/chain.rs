@@ -1,12 +1,20 @@
 //! The audit log's hash chain: each event's hash is SHA-256 of the previous event's hash,
 //! its sequence number and its stored bytes, kept in a table beside the events so the event
-//! encoding is unchanged. An event edited in the data file no longer matches its hash, and
-//! `leasehold check` says which.
+//! encoding is unchanged. An event edited in the data file no longer matches the chain, and
+//! `leasehold check` says where.
+//!
+//! Every event is linked, but since schema 6 only the hash of the last event of each commit
+//! is stored (and the first event's of a chain that begins): the hashes between are chained
+//! in memory, and `verify` recomputes them through the events. Storing one row a commit
+//! rather than one an event is what keeps the chain cheap in a storm of expiries; a file
+//! with every hash stored (schema 5 and before) verifies unchanged, each stored hash being a
+//! point the recomputed chain must pass through.
 //!
 //! Trimming old events keeps the hash of the last one trimmed as the anchor the first kept
-//! event chains from. Events written before the chain existed (an older data file) have no
-//! hash; the chain starts at the first event that has one. A plain hash chain detects an
-//! edit unless every later hash is rewritten too: the head hash, kept elsewhere, detects that.
+//! event chains from, computing it through the trimmed events when it was not stored.
+//! Events written before the chain existed (an older data file) have no hash; the chain
+//! starts at the first event that has one. A plain hash chain detects an edit unless every
+//! later hash is rewritten too: the head hash, kept elsewhere, detects that.
 
 use redb::{ReadableTable, Table, TableDefinition};
 use sha2::{Digest, Sha256};
@@ -29,29 +37,103 @@ fn hash_of(bytes: &[u8]) -> Option<Hash> {
     bytes.try_into().ok()
 }
 
-/// The hash the next appended event chains from: the last stored hash (sequence numbers
-/// only grow, so it is the previous event's), or zeros before the first.
-pub(super) fn head(hashes: &Table<u64, &[u8]>) -> Result<Hash, StoreError> {
-    Ok(match hashes.last().map_err(StoreError::redb)? {
-        Some((_, h)) => hash_of(h.value()).unwrap_or([0; 32]),
-        None => [0; 32],
-    })
+/// The events one commit appends, linked as they come and stored once, at the end.
+pub(super) struct Appender {
+    /// The hash the next event chains from; `None` until the first event looks it up.
+    head: Option<Hash>,
+    /// The chain's first event is stored too, marking where it begins over older,
+    /// unhashed events.
+    begins: bool,
+    /// The last event linked and its hash, stored by [`Appender::finish`].
+    last: Option<(u64, Hash)>,
 }
 
-/// Appends the hash of event `seq` (stored as `bytes`) chained from `prev`, and returns it:
-/// the `prev` of the next event, so a batch of events looks the head up once, not once each.
-pub(super) fn append(
+impl Appender {
+    pub(super) fn new() -> Appender {
+        Appender {
+            head: None,
+            begins: false,
+            last: None,
+        }
+    }
+
+    /// Links event `seq`, stored as `bytes`, after the previous one.
+    pub(super) fn push(
+        &mut self,
+        hashes: &mut Table<u64, &[u8]>,
+        seq: u64,
+        bytes: &[u8],
+    ) -> Result<(), StoreError> {
+        let prev = match self.head {
+            Some(h) => h,
+            None => {
+                // Sequence numbers only grow, so the last stored hash is the previous
+                // event's: every commit stores its last.
+                let last = hashes.last().map_err(StoreError::redb)?;
+                self.begins = last.is_none();
+                last.and_then(|(_, h)| hash_of(h.value()))
+                    .unwrap_or([0; 32])
+            }
+        };
+        let h = link(&prev, seq, bytes);
+        if self.begins {
+            hashes.insert(seq, h.as_slice()).map_err(StoreError::redb)?;
+            self.begins = false;
+        }
+        self.head = Some(h);
+        self.last = Some((seq, h));
+        Ok(())
+    }
+
+    /// Stores the hash of the commit's last event: the head the next commit chains from.
+    pub(super) fn finish(self, hashes: &mut Table<u64, &[u8]>) -> Result<(), StoreError> {
+        if let Some((seq, h)) = self.last {
+            hashes.insert(seq, h.as_slice()).map_err(StoreError::redb)?;
+        }
+        Ok(())
+    }
+}
+
+/// Drops the hashes of trimmed events, `trimmed` (sequence number and stored bytes, in
+/// order, the last trimmed last), keeping the hash of the last one as the anchor of what
+/// is kept. An anchor that was not stored is computed through the trimmed events from the
+/// last stored hash among them.
+pub(super) fn trim(
     hashes: &mut Table<u64, &[u8]>,
-    prev: &Hash,
-    seq: u64,
-    bytes: &[u8],
-) -> Result<Hash, StoreError> {
-    let h = link(prev, seq, bytes);
-    hashes.insert(seq, h.as_slice()).map_err(StoreError::redb)?;
-    Ok(h)
-}
-
-pub(super) fn trim(hashes: &mut Table<u64, &[u8]>, last_trimmed: u64) -> Result<(), StoreError> {
+    trimmed: &[(u64, Vec<u8>)],
+) -> Result<(), StoreError> {
+    let Some(&(last_trimmed, _)) = trimmed.last() else {
+        return Ok(());
+    };
+    let stored = |hashes: &Table<u64, &[u8]>, seq: u64| -> Result<Option<Hash>, StoreError> {
+        Ok(hashes
+            .get(seq)
+            .map_err(StoreError::redb)?
+            .and_then(|h| hash_of(h.value())))
+    };
+    if stored(hashes, last_trimmed)?.is_none() {
+        // The chain through the trimmed events, from the anchor below them or the first
+        // stored hash among them; before either, the events predate the chain.
+        let mut prev: Option<Hash> = match hashes
+            .range(..trimmed[0].0)
+            .map_err(StoreError::redb)?
+            .next_back()
+        {
+            Some(row) => hash_of(row.map_err(StoreError::redb)?.1.value()),
+            None => None,
+        };
+        for (seq, bytes) in trimmed {
+            prev = match stored(hashes, *seq)? {
+                Some(h) => Some(h),
+                None => prev.map(|p| link(&p, *seq, bytes)),
+            };
+        }
+        if let Some(anchor) = prev {
+            hashes
+                .insert(last_trimmed, anchor.as_slice())
+                .map_err(StoreError::redb)?;
+        }
+    }
     let below: Vec<u64> = hashes
         .range(..last_trimmed)
         .map_err(StoreError::redb)?
@@ -64,8 +146,10 @@ pub(super) fn trim(hashes: &mut Table<u64, &[u8]>, last_trimmed: u64) -> Result<
     Ok(())
 }
 
-/// Verifies the chain over `events` (sequence number and stored bytes, in order), reporting
-/// each event whose hash does not match or is missing once the chain has begun.
+/// Verifies the chain over `events` (sequence number and stored bytes, in order): every
+/// stored hash must be where the chain recomputed through the events arrives, the last
+/// event must have one, and no hash may name an event after the last. Reports each
+/// mismatch once and goes on from the stored hash.
 pub(super) fn verify(
     hashes: &impl ReadableTable<u64, &'static [u8]>,
     events: impl Iterator<Item = (u64, Vec<u8>)>,
@@ -81,29 +165,64 @@ pub(super) fn verify(
         let (_, h) = row.map_err(StoreError::redb)?;
         prev = hash_of(h.value());
     }
-    let mut begun = prev.is_some();
+    // The events linked since the last stored hash, first and last: they are proven only
+    // when a later stored hash is reached.
+    let mut unproven: Option<(u64, u64)> = None;
+    let mut last_event = None;
     for (seq, bytes) in events {
+        last_event = Some(seq);
         let stored = hashes
             .get(seq)
             .map_err(StoreError::redb)?
             .and_then(|h| hash_of(h.value()));
-        match stored {
-            None if begun => problems.push(format!(
-                "event {seq} has no hash in the audit chain: events were added or the chain cut"
-            )),
-            None => {}
-            Some(h) => {
-                let expected = link(&prev.unwrap_or([0; 32]), seq, &bytes);
-                if h != expected {
+        let Some(running) = prev else {
+            // Before the chain begins: an event from before it existed.
+            if let Some(h) = stored {
+                if h != link(&[0; 32], seq, &bytes) {
                     problems.push(format!(
-                        "event {seq} does not match its hash in the audit chain: the event, or one before it, was edited"
+                        "event {seq} does not match its hash in the audit chain: the event was edited"
                     ));
                 }
-                begun = true;
+                prev = Some(h);
+            }
+            continue;
+        };
+        let expected = link(&running, seq, &bytes);
+        match stored {
+            None => {
+                unproven = Some((unproven.map_or(seq, |(first, _)| first), seq));
+                prev = Some(expected);
+            }
+            Some(h) => {
+                if h != expected {
+                    problems.push(match unproven {
+                        None => format!(
+                            "event {seq} does not match its hash in the audit chain: the event, or one before it, was edited"
+                        ),
+                        Some((since, _)) => format!(
+                            "event {seq} does not match its hash in the audit chain: an event from {since} to {seq}, or one before, was edited, added or deleted"
+                        ),
+                    });
+                }
+                unproven = None;
                 // Go on from the stored hash, so one edit is reported once.
                 prev = Some(h);
             }
         }
+    }
+    if let Some((first, last)) = unproven {
+        problems.push(format!(
+            "events {first} to {last} have no hash after them in the audit chain: events were added after its head, or the chain cut"
+        ));
+    }
+    if let Some(last) = last_event
+        && let Some(row) = hashes.range(last + 1..).map_err(StoreError::redb)?.next()
+    {
+        let (seq, _) = row.map_err(StoreError::redb)?;
+        problems.push(format!(
+            "the audit chain has a hash for event {}, after the last event {last}: events were deleted from its end",
+            seq.value()
+        ));
     }
     Ok(())
 }

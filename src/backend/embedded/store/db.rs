@@ -98,8 +98,9 @@ impl Store {
                 None | Some(SCHEMA_VERSION) => {}
                 // Schema 3 lacks only `end_log`, which `create_all` adds; schema 2's events,
                 // all of format 1, read as they are; schema 4's end-log records apply as
-                // they are: only the stamp changes.
-                Some(from @ (2..=4)) => tracing::info!(
+                // they are; schema 5's chain, a hash for every event, verifies as it is: only
+                // the stamp changes.
+                Some(from @ (2..=5)) => tracing::info!(
                     path = %path.display(),
                     "data file migrated from schema {from} to {SCHEMA_VERSION}"
                 ),

@@ -1,6 +1,7 @@
 //! The table layout of the data file, and the helpers every reader of its rows shares.
 //!
-//! Tables (schema 5; schema 4 deferred only the session rows of an end-log record, schema 3
+//! Tables (schema 6; schema 5 stored the hash of every audit event rather than of each
+//! commit's last, schema 4 deferred only the session rows of an end-log record, schema 3
 //! had the same without `end_log`, schema 2 also had every event in record format 1):
 //! - `meta`: the durable counters (`revision`, `event_seq`, `session_row`) and the schema
 //!   version;
@@ -25,7 +26,8 @@
 //! - `jobs`: job id → `JobRecord`, `job_payloads`: job id → payload (written once), with
 //!   `jobs_by_state` (queue, state, job id) for listing dead letters and `session_jobs`
 //!   (session id, job id) for the claims a session holds;
-//! - `events`: sequence number → `Event`, the audit log;
+//! - `events`: sequence number → `Event`, the audit log, with `event_hashes` (sequence number
+//!   → hash) holding the chain's hash of the last event of each commit ([`super::chain`]);
 //! - `end_log` (schema 4): record number → the sessions of one reaper pass whose rows and
 //!   grants (schema 5) are still to be deleted, pending until applied in a later batch
 //!   ([`super::endlog`]).
@@ -114,7 +116,7 @@ pub(super) const META_SESSION_ROW: &str = "session_row";
 /// locks held by sessions that do not exist; stamping the file 5 makes it refuse the file.
 /// From 4 nothing changes: a schema-4 record's grants are already gone, and applying it finds
 /// none.
-pub(super) const SCHEMA_VERSION: u64 = 5;
+pub(super) const SCHEMA_VERSION: u64 = 6;
 
 /// A stored session: its public id travels in the row, which is keyed by row number.
 ///

@@ -647,11 +647,11 @@ fn a_schema_3_file_migrates_to_the_current_schema() {
         txn.commit().unwrap();
     }
     let store = Store::open(dir.path(), 1 << 20).unwrap();
-    assert_eq!(SCHEMA_VERSION, 5);
+    assert_eq!(SCHEMA_VERSION, 6);
     {
         let read = store.db.begin_read().unwrap();
         let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
-        assert_eq!(schema.map(|v| v.value()), Some(5));
+        assert_eq!(schema.map(|v| v.value()), Some(SCHEMA_VERSION));
     }
     assert_eq!(store.pending_ends().unwrap(), 0);
     let restore = store.load().unwrap();
@@ -664,4 +664,231 @@ fn a_schema_3_file_migrates_to_the_current_schema() {
     drop(store);
     let store = Store::open(dir.path(), 1 << 20).unwrap();
     assert!(store.load().unwrap().sessions.is_empty());
+}
+
+/// Opens sessions `from..to` in one commit each of `per_commit` sessions (an event each).
+fn events_in_commits(store: &Store, state: &mut State, from: u64, to: u64, per_commit: u64) {
+    let mut fx = Effects::default();
+    for i in from..to {
+        state
+            .open(
+                SessionId::random(),
+                "a".into(),
+                None,
+                String::new(),
+                at(i * 1_000),
+                &mut fx,
+            )
+            .unwrap();
+        if (i + 1 - from) % per_commit == 0 {
+            commit(store, state, &mut fx);
+        }
+    }
+    commit(store, state, &mut fx);
+}
+
+fn stored_hashes(store: &Store) -> Vec<u64> {
+    use redb::{ReadableDatabase, ReadableTable};
+    let txn = store.db.begin_read().unwrap();
+    let table = txn.open_table(super::chain::EVENT_HASHES).unwrap();
+    table
+        .iter()
+        .unwrap()
+        .map(|r| r.unwrap().0.value())
+        .collect()
+}
+
+/// Runs `f` on the raw `events` and `event_hashes` tables in one committed transaction.
+fn edit_events(
+    store: &Store,
+    f: impl FnOnce(&mut redb::Table<u64, &[u8]>, &mut redb::Table<u64, &[u8]>),
+) {
+    let txn = store.db.begin_write().unwrap();
+    {
+        let mut events = txn.open_table(super::tables::EVENTS).unwrap();
+        let mut hashes = txn.open_table(super::chain::EVENT_HASHES).unwrap();
+        f(&mut events, &mut hashes);
+    }
+    txn.commit().unwrap();
+}
+
+/// What `check` finds wrong with the audit chain (an edited event may also not decode).
+fn problems(store: &Store) -> Vec<String> {
+    let mut found = store.check().unwrap().problems;
+    found.retain(|p| p.contains("audit chain"));
+    found
+}
+
+/// The chain stores a hash for the last event of each commit (and the chain's first), and
+/// `check` still finds an event edited, deleted or added anywhere, not only where a hash
+/// is stored.
+#[test]
+fn one_hash_a_commit_still_proves_every_event() {
+    use redb::ReadableTable;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    events_in_commits(&store, &mut state, 0, 12, 4);
+    // Events 1..=12 in three commits: the first event, then each commit's last.
+    assert_eq!(stored_hashes(&store), vec![1, 4, 8, 12]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+
+    // An event with no stored hash of its own, edited: reported at the next stored hash.
+    let original = {
+        use redb::ReadableDatabase;
+        let txn = store.db.begin_read().unwrap();
+        let t = txn.open_table(super::tables::EVENTS).unwrap();
+        t.get(6).unwrap().unwrap().value().to_vec()
+    };
+    let mut edited = original.clone();
+    *edited.last_mut().unwrap() ^= 1;
+    edit_events(&store, |events, _| {
+        events.insert(6, edited.as_slice()).unwrap();
+    });
+    let found = problems(&store);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].contains("event 8 does not match its hash"),
+        "{found:?}"
+    );
+    assert!(found[0].contains("from 5 to 8"), "{found:?}");
+    edit_events(&store, |events, _| {
+        events.insert(6, original.as_slice()).unwrap();
+    });
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+
+    // An event deleted from the middle of a commit.
+    edit_events(&store, |events, _| {
+        events.remove(10).unwrap();
+    });
+    let found = problems(&store);
+    assert!(
+        found.iter().any(|p| p.contains("event 12 does not match")),
+        "{found:?}"
+    );
+    edit_events(&store, |events, _| {
+        events.insert(10, original.as_slice()).unwrap();
+    });
+    assert!(!problems(&store).is_empty());
+
+    // The last event deleted: its hash names an event after the last.
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    events_in_commits(&store, &mut state, 0, 6, 3);
+    edit_events(&store, |events, _| {
+        events.remove(6).unwrap();
+    });
+    let found = problems(&store);
+    assert!(
+        found
+            .iter()
+            .any(|p| p.contains("hash for event 6, after the last event 5")),
+        "{found:?}"
+    );
+    // Events added after the head (its hash gone with the deleted event): everything
+    // after the last stored hash is unproven.
+    edit_events(&store, |events, hashes| {
+        let fifth = events.get(5).unwrap().unwrap().value().to_vec();
+        events.insert(6, fifth.as_slice()).unwrap();
+        events.insert(7, fifth.as_slice()).unwrap();
+        hashes.remove(6).unwrap();
+    });
+    let found = problems(&store);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("events 4 to 7 have no hash"), "{found:?}");
+}
+
+/// A file written before one hash a commit, with every event's hash stored, verifies as it
+/// is, and goes on chaining from its last hash.
+#[test]
+fn a_chain_with_every_hash_stored_verifies_and_goes_on() {
+    use redb::ReadableTable;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    events_in_commits(&store, &mut state, 0, 6, 6);
+    // As schema 5 wrote it: a hash for every event.
+    edit_events(&store, |events, hashes| {
+        let mut prev = [0; 32];
+        for seq in 1..=6 {
+            let bytes = events.get(seq).unwrap().unwrap().value().to_vec();
+            prev = super::chain::link(&prev, seq, &bytes);
+            hashes.insert(seq, prev.as_slice()).unwrap();
+        }
+    });
+    assert_eq!(stored_hashes(&store), vec![1, 2, 3, 4, 5, 6]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    events_in_commits(&store, &mut state, 6, 10, 4);
+    assert_eq!(stored_hashes(&store), vec![1, 2, 3, 4, 5, 6, 10]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    // Editing an old event is still found at its own hash.
+    edit_events(&store, |events, _| {
+        let mut b = events.get(3).unwrap().unwrap().value().to_vec();
+        *b.last_mut().unwrap() ^= 1;
+        events.insert(3, b.as_slice()).unwrap();
+    });
+    let found = problems(&store);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("event 3 does not match"), "{found:?}");
+}
+
+/// Events from before the chain existed stay outside it; the chain begins at the first
+/// event appended after, whose hash is stored to mark where it begins.
+#[test]
+fn a_chain_begun_over_older_events_marks_its_first() {
+    use redb::ReadableTable;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    events_in_commits(&store, &mut state, 0, 3, 3);
+    edit_events(&store, |_, hashes| {
+        for seq in 1..=3 {
+            hashes.remove(seq).unwrap();
+        }
+    });
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    events_in_commits(&store, &mut state, 3, 7, 4);
+    assert_eq!(stored_hashes(&store), vec![4, 7]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    edit_events(&store, |events, _| {
+        let mut b = events.get(5).unwrap().unwrap().value().to_vec();
+        *b.last_mut().unwrap() ^= 1;
+        events.insert(5, b.as_slice()).unwrap();
+    });
+    assert!(problems(&store)[0].contains("event 7 does not match"));
+}
+
+/// Trimming inside a commit's events leaves the hash of the last trimmed as the anchor,
+/// computed through them, and what is kept verifies.
+#[test]
+fn trimming_inside_a_commit_computes_the_anchor() {
+    use redb::ReadableTable;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    events_in_commits(&store, &mut state, 0, 10, 5);
+    assert_eq!(stored_hashes(&store), vec![1, 5, 10]);
+    for (limit, anchors) in [(3, vec![3, 5, 10]), (4, vec![7, 10])] {
+        let trimmed = store
+            .commit(&Batch {
+                changes: &[],
+                revision: state.revision(),
+                event_seq: state.event_seq(),
+                trim_events: Some((at(20_000).wall, limit)),
+                ..Default::default()
+            })
+            .unwrap()
+            .events_trimmed;
+        assert_eq!(trimmed, limit);
+        assert_eq!(stored_hashes(&store), anchors);
+        assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    }
+    // The anchor proves what follows it: editing the first kept event is found.
+    edit_events(&store, |events, _| {
+        let mut b = events.get(8).unwrap().unwrap().value().to_vec();
+        *b.last_mut().unwrap() ^= 1;
+        events.insert(8, b.as_slice()).unwrap();
+    });
+    assert!(problems(&store)[0].contains("event 10 does not match"));
 }

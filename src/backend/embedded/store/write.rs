@@ -129,8 +129,8 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let mut by_state = txn.open_table(JOBS_BY_STATE).map_err(StoreError::redb)?;
     let mut session_jobs = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
     let mut requests = txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
-    // The hash the batch's next event chains from, once the first has looked it up.
-    let mut chain_head: Option<chain::Hash> = None;
+    // Links the batch's events, storing the last one's hash when they are all in.
+    let mut chain = chain::Appender::new();
 
     for change in batch.changes {
         match change {
@@ -271,11 +271,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                     return Err(StoreError::EventExists { seq: event.seq });
                 }
                 // Hashed as it is appended, over the very bytes stored.
-                let prev = match chain_head {
-                    Some(h) => h,
-                    None => chain::head(&hashes)?,
-                };
-                chain_head = Some(chain::append(&mut hashes, &prev, event.seq, &bytes)?);
+                chain.push(&mut hashes, event.seq, &bytes)?;
             }
             Change::PutRequest { key, record } => {
                 requests
@@ -313,6 +309,8 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
             .map_err(StoreError::redb)?;
     }
 
+    chain.finish(&mut hashes)?;
+
     let mut committed = Committed::default();
     if let Some((before, limit)) = batch.trim_events {
         let mut old = Vec::new();
@@ -325,14 +323,12 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
             if event.at >= before {
                 break;
             }
-            old.push(seq.value());
+            old.push((seq.value(), bytes.value().to_vec()));
         }
-        for seq in &old {
+        for (seq, _) in &old {
             events.remove(*seq).map_err(StoreError::redb)?;
         }
-        if let Some(&last) = old.last() {
-            chain::trim(&mut hashes, last)?;
-        }
+        chain::trim(&mut hashes, &old)?;
         committed.events_trimmed = old.len();
     }
     Ok(committed)
