@@ -680,7 +680,7 @@ fn events_in_commits(store: &Store, state: &mut State, from: u64, to: u64, per_c
                 &mut fx,
             )
             .unwrap();
-        if (i + 1 - from) % per_commit == 0 {
+        if (i + 1 - from).is_multiple_of(per_commit) {
             commit(store, state, &mut fx);
         }
     }
