@@ -669,7 +669,8 @@ impl State {
 
     /// Ends up to `limit` sessions whose deadline is at or before `now`, earliest first.
     pub fn reap(&mut self, at: At, limit: usize, fx: &mut Effects) -> Vec<Ended> {
-        let mut ended = Vec::new();
+        // Sized once: a storm's pass ends hundreds, and growing would copy them each time.
+        let mut ended = Vec::with_capacity(limit.min(self.expiry.len()));
         while ended.len() < limit {
             match self.expiry.first() {
                 Some(&(deadline, _)) if deadline <= at.now => {}
