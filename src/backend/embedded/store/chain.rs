@@ -38,25 +38,14 @@ fn hash_of(bytes: &[u8]) -> Option<Hash> {
 }
 
 /// The events one commit appends, linked as they come and stored once, at the end.
+#[derive(Default)]
 pub(super) struct Appender {
-    /// The hash the next event chains from; `None` until the first event looks it up.
-    head: Option<Hash>,
-    /// The chain's first event is stored too, marking where it begins over older,
-    /// unhashed events.
-    begins: bool,
-    /// The last event linked and its hash, stored by [`Appender::finish`].
+    /// The last event linked and its hash: the `prev` of the next, and what
+    /// [`Appender::finish`] stores. `None` until the first event looks the head up.
     last: Option<(u64, Hash)>,
 }
 
 impl Appender {
-    pub(super) fn new() -> Appender {
-        Appender {
-            head: None,
-            begins: false,
-            last: None,
-        }
-    }
-
     /// Links event `seq`, stored as `bytes`, after the previous one.
     pub(super) fn push(
         &mut self,
@@ -64,23 +53,23 @@ impl Appender {
         seq: u64,
         bytes: &[u8],
     ) -> Result<(), StoreError> {
-        let prev = match self.head {
-            Some(h) => h,
+        let h = match self.last {
+            Some((_, prev)) => link(&prev, seq, bytes),
             None => {
                 // Sequence numbers only grow, so the last stored hash is the previous
                 // event's: every commit stores its last.
-                let last = hashes.last().map_err(StoreError::redb)?;
-                self.begins = last.is_none();
-                last.and_then(|(_, h)| hash_of(h.value()))
-                    .unwrap_or([0; 32])
+                let head = hashes.last().map_err(StoreError::redb)?;
+                let begins = head.is_none();
+                let prev = head.and_then(|(_, h)| hash_of(h.value()));
+                let h = link(&prev.unwrap_or([0; 32]), seq, bytes);
+                // The chain's first event is stored too, marking where it begins over
+                // older, unhashed events.
+                if begins {
+                    hashes.insert(seq, h.as_slice()).map_err(StoreError::redb)?;
+                }
+                h
             }
         };
-        let h = link(&prev, seq, bytes);
-        if self.begins {
-            hashes.insert(seq, h.as_slice()).map_err(StoreError::redb)?;
-            self.begins = false;
-        }
-        self.head = Some(h);
         self.last = Some((seq, h));
         Ok(())
     }
@@ -94,38 +83,41 @@ impl Appender {
     }
 }
 
-/// Drops the hashes of trimmed events, `trimmed` (sequence number and stored bytes, in
-/// order, the last trimmed last), keeping the hash of the last one as the anchor of what
-/// is kept. An anchor that was not stored is computed through the trimmed events from the
-/// last stored hash among them.
+fn stored(hashes: &Table<u64, &[u8]>, seq: u64) -> Result<Option<Hash>, StoreError> {
+    Ok(hashes
+        .get(seq)
+        .map_err(StoreError::redb)?
+        .and_then(|h| hash_of(h.value())))
+}
+
+/// Drops the hashes of the events `trimmed` (sequence numbers in order, still in `events`),
+/// keeping the hash of the last one as the anchor of what is kept. An anchor that was not
+/// stored is computed through the trimmed events from the last stored hash among or below
+/// them; only then are their bytes read.
 pub(super) fn trim(
     hashes: &mut Table<u64, &[u8]>,
-    trimmed: &[(u64, Vec<u8>)],
+    events: &Table<u64, &[u8]>,
+    trimmed: &[u64],
 ) -> Result<(), StoreError> {
-    let Some(&(last_trimmed, _)) = trimmed.last() else {
+    let (Some(&first), Some(&last_trimmed)) = (trimmed.first(), trimmed.last()) else {
         return Ok(());
-    };
-    let stored = |hashes: &Table<u64, &[u8]>, seq: u64| -> Result<Option<Hash>, StoreError> {
-        Ok(hashes
-            .get(seq)
-            .map_err(StoreError::redb)?
-            .and_then(|h| hash_of(h.value())))
     };
     if stored(hashes, last_trimmed)?.is_none() {
         // The chain through the trimmed events, from the anchor below them or the first
         // stored hash among them; before either, the events predate the chain.
-        let mut prev: Option<Hash> = match hashes
-            .range(..trimmed[0].0)
-            .map_err(StoreError::redb)?
-            .next_back()
-        {
-            Some(row) => hash_of(row.map_err(StoreError::redb)?.1.value()),
-            None => None,
-        };
-        for (seq, bytes) in trimmed {
-            prev = match stored(hashes, *seq)? {
-                Some(h) => Some(h),
-                None => prev.map(|p| link(&p, *seq, bytes)),
+        let mut prev: Option<Hash> =
+            match hashes.range(..first).map_err(StoreError::redb)?.next_back() {
+                Some(row) => hash_of(row.map_err(StoreError::redb)?.1.value()),
+                None => None,
+            };
+        for &seq in trimmed {
+            prev = match (stored(hashes, seq)?, prev) {
+                (Some(h), _) => Some(h),
+                (None, Some(p)) => {
+                    let bytes = events.get(seq).map_err(StoreError::redb)?;
+                    bytes.map(|b| link(&p, seq, b.value()))
+                }
+                (None, None) => None,
             };
         }
         if let Some(anchor) = prev {

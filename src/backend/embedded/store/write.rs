@@ -130,7 +130,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let mut session_jobs = txn.open_table(SESSION_JOBS).map_err(StoreError::redb)?;
     let mut requests = txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
     // Links the batch's events, storing the last one's hash when they are all in.
-    let mut chain = chain::Appender::new();
+    let mut chain = chain::Appender::default();
 
     for change in batch.changes {
         match change {
@@ -323,12 +323,13 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
             if event.at >= before {
                 break;
             }
-            old.push((seq.value(), bytes.value().to_vec()));
+            old.push(seq.value());
         }
-        for (seq, _) in &old {
+        // The anchor is computed while the trimmed events are still there to read.
+        chain::trim(&mut hashes, &events, &old)?;
+        for seq in &old {
             events.remove(*seq).map_err(StoreError::redb)?;
         }
-        chain::trim(&mut hashes, &old)?;
         committed.events_trimmed = old.len();
     }
     Ok(committed)
