@@ -116,6 +116,10 @@ pub(super) const META_SESSION_ROW: &str = "session_row";
 /// locks held by sessions that do not exist; stamping the file 5 makes it refuse the file.
 /// From 4 nothing changes: a schema-4 record's grants are already gone, and applying it finds
 /// none.
+/// 6: `event_hashes` keeps the audit chain's hash of each commit's last event (and of the
+/// chain's first, and the anchor a trim leaves), not of every event. A build of schema 5
+/// would report the events between as missing from the chain; stamping the file 6 makes it
+/// refuse the file. From 5 nothing changes: a hash for every event verifies as it is.
 pub(super) const SCHEMA_VERSION: u64 = 6;
 
 /// A stored session: its public id travels in the row, which is keyed by row number.
