@@ -12,8 +12,8 @@ use crate::backend::requests::{Answer, Request, RequestCheck};
 use crate::backend::{BackendError, Beat, Closed, Granted, OpenedSession, ReapOutcome};
 use crate::domain::time::to_wall;
 use crate::domain::{
-    AcquireError, At, Change, Finish, HeartbeatError, LockKey, Mono, PoolName, PoolPut, SeatError,
-    SessionId, State, Token, UnixMs,
+    AcquireError, At, Change, Finish, HeartbeatError, LockKey, Mono, PoolName, PoolPut, PoolRecord,
+    SeatError, SessionId, State, Token, UnixMs,
 };
 
 impl Writer {
@@ -503,8 +503,8 @@ impl Writer {
 
     /// Creates or resizes a pool, reading its record in the same step: a resize keeps when
     /// the pool was created, and its metadata unless new is given. The record is the one
-    /// this batch, or the batch being committed, last wrote, or else the committed one; only
-    /// this thread writes, so nothing can change it between the read and the write.
+    /// this batch last wrote, or else the committed one; only this thread writes, so nothing
+    /// can change it between the read and the write.
     fn put_pool(
         &mut self,
         state: &mut State,
@@ -513,8 +513,8 @@ impl Writer {
         metadata: Option<String>,
         at: At,
     ) -> Result<PoolPut, BackendError> {
-        let existing = match self.unstored_pool(name) {
-            Some(written) => written,
+        let existing = match written_pool(&self.fx.changes, name) {
+            Some(written) => written.cloned(),
             None => self.shared.store.pool(name.as_str())?,
         };
         let created_at = existing.as_ref().map(|p| p.created_at);
@@ -537,4 +537,14 @@ impl Writer {
             }
         }
     }
+}
+
+/// The record `changes` leave `pool` with, the last of them first: `Some(None)` when they
+/// delete it, `None` when they do not touch it.
+fn written_pool<'a>(changes: &'a [Change], pool: &PoolName) -> Option<Option<&'a PoolRecord>> {
+    changes.iter().rev().find_map(|c| match c {
+        Change::PutPool { name, record } if name == pool => Some(Some(record)),
+        Change::DeletePool { name } if name == pool => Some(None),
+        _ => None,
+    })
 }

@@ -10,14 +10,12 @@
 //!
 //! - the handle [`Embedded`] (here), its write side (`mutate`) and read side (`read`);
 //! - `commands`: what the writer is asked and how answers get back;
-//! - `writer`: the batch loop; `committer`: the commit and the answers, one batch behind;
-//!   `apply`: one command applied to the state;
+//! - `writer`: the batch loop and the commit; `apply`: one command applied to the state;
 //!   `serve`: waiters served when resources free up; `tallies`: metrics after a commit;
 //! - `waiters`, `reaper`, `shared`, `errors`, and [`store`], the redb file.
 
 mod apply;
 mod commands;
-mod committer;
 mod errors;
 mod mutate;
 mod read;

@@ -1,13 +1,9 @@
 //! Metrics bookkeeping: what a batch did, counted while it is applied and published only
-//! once it has committed, so the metrics never count what a failed commit lost. The gauges
-//! are read from the state when the batch is sealed, so the committer publishes them without
-//! the state lock, and they show the state as that batch left it.
+//! once it has committed, so the metrics never count what a failed commit lost.
 
 use std::collections::BTreeSet;
 
-use crate::domain::{
-    Change, EndReason, Ended, JobOutcome, PoolName, QueueCounts, QueueName, SessionId, State,
-};
+use crate::domain::{Change, EndReason, Ended, JobOutcome, PoolName, QueueName, SessionId, State};
 use crate::metrics::{Metrics, ReasonLabel};
 
 /// The log line of one ended session, written once its batch has committed.
@@ -56,17 +52,6 @@ pub struct Tally {
     pub ends: Vec<EndLine>,
     /// True once any session ended in the batch (whatever the log level).
     pub any_end: bool,
-    /// The gauges as the batch left the state, read when it is sealed.
-    gauges: Gauges,
-}
-
-#[derive(Default)]
-struct Gauges {
-    sessions: usize,
-    locks: usize,
-    /// Capacity and seats in use of each touched pool; `None` for one deleted.
-    pools: Vec<(PoolName, Option<(u32, usize)>)>,
-    queues: Vec<(QueueName, QueueCounts)>,
 }
 
 impl Tally {
@@ -125,32 +110,10 @@ impl Tally {
         }
     }
 
-    /// Reads the gauges of what the batch touched from `state`, as the batch left it.
-    pub fn seal(&mut self, state: &State) {
-        let g = &mut self.gauges;
-        g.sessions = state.session_count();
-        g.locks = state.lock_count();
-        g.pools = std::mem::take(&mut self.touched_pools)
-            .into_iter()
-            .map(|pool| {
-                let value = state.pool(&pool).map(|p| (p.capacity, p.holders.len()));
-                (pool, value)
-            })
-            .collect();
-        g.queues = std::mem::take(&mut self.touched_queues)
-            .into_iter()
-            .map(|queue| {
-                let counts = state.queue_counts(&queue);
-                (queue, counts)
-            })
-            .collect();
-    }
-
-    /// Adds the counts to the metrics and sets the gauges read by [`Tally::seal`].
-    pub fn publish(self, m: &Metrics) {
-        let g = self.gauges;
-        m.sessions_active.set(g.sessions as i64);
-        m.locks_held.set(g.locks as i64);
+    /// Adds the counts to the metrics and refreshes the gauges from `state`.
+    pub fn publish(self, m: &Metrics, state: &State) {
+        m.sessions_active.set(state.session_count() as i64);
+        m.locks_held.set(state.lock_count() as i64);
         m.sessions_opened.inc_by(self.opened);
         m.request_id_replays.inc_by(self.replays);
         for (i, reason) in [EndReason::Closed, EndReason::Expired, EndReason::Admin]
@@ -174,11 +137,14 @@ impl Tally {
         for reason in self.jobs_failed {
             m.jobs_failed.get_or_create(&ReasonLabel { reason }).inc();
         }
-        for (pool, value) in g.pools {
-            m.set_pool(pool.as_str(), value);
+        for pool in self.touched_pools {
+            m.set_pool(
+                pool.as_str(),
+                state.pool(&pool).map(|p| (p.capacity, p.holders.len())),
+            );
         }
-        for (queue, counts) in g.queues {
-            m.set_queue(queue.as_str(), counts);
+        for queue in self.touched_queues {
+            m.set_queue(queue.as_str(), state.queue_counts(&queue));
         }
     }
 }
