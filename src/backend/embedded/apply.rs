@@ -340,9 +340,9 @@ impl Writer {
             PassSize::Paced => self.sizer.next(),
             PassSize::AtMost(n) => n,
         };
-        let ended = state.reap(at, limit, &mut self.fx);
         // The rows of the sessions it ended are deleted after the storm (the end log).
-        self.ended.take_from(&mut self.fx.changes, changes_before);
+        let ended = state.reap_leaving_rows(at, limit, &mut self.fx);
+        self.ended.extend(&ended);
         if let PassSize::Paced = size {
             self.paced = Some(PacedPass {
                 sessions: ended.len(),

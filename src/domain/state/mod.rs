@@ -63,6 +63,14 @@ impl Effects {
     }
 }
 
+/// Whether an end emits the deletes of the session's row and its grants.
+#[derive(Debug, Clone, Copy)]
+enum Rows {
+    Delete,
+    /// The store deletes them from the ended session's id (its end log).
+    Leave,
+}
+
 #[derive(Debug, Clone)]
 struct Session {
     ttl_ms: u64,
@@ -195,7 +203,9 @@ pub struct NotHolder;
 pub struct State {
     limits: Limits,
     sessions: SessionIds<Session>,
-    locks: HashMap<LockKey, Lock>,
+    /// Keyed by the users' strings, so hashed with a per-process random seed (foldhash's
+    /// fast keyed hash: SipHash cost a measurable share of ending a session).
+    locks: HashMap<LockKey, Lock, foldhash::fast::RandomState>,
     /// Ordered by deadline so the reaper finds due sessions in O(due), never by a scan.
     expiry: BTreeSet<(Mono, SessionId)>,
     pools: Pools,
@@ -239,7 +249,7 @@ impl State {
         State {
             limits,
             sessions: SessionIds::default(),
-            locks: HashMap::new(),
+            locks: HashMap::default(),
             expiry: BTreeSet::new(),
             pools: Pools::default(),
             jobs: Jobs::default(),
@@ -496,16 +506,18 @@ impl State {
             .remove(&id)
             .expect("end_unchecked is called on a present session");
         self.expiry.remove(&(session.deadline, id));
-        self.end_unlisted(id, session, reason, at, fx)
+        self.end_unlisted(id, session, reason, Rows::Delete, at, fx)
     }
 
     /// Ends `session`, already taken out of `sessions` and `expiry`: releases its locks,
-    /// seats and jobs and records the end, all in `fx`.
+    /// seats and jobs and records the end, all in `fx`; the deletes of the session's row and
+    /// its grants only with `Rows::Delete`.
     fn end_unlisted(
         &mut self,
         id: SessionId,
         session: Session,
         reason: EndReason,
+        rows: Rows,
         at: At,
         fx: &mut Effects,
     ) -> Ended {
@@ -522,16 +534,20 @@ impl State {
                 key: key.to_string(),
                 token: lock.token,
             });
-            fx.changes.push(Change::DeleteLock {
-                key: key.clone(),
-                session_id: id,
-            });
+            if let Rows::Delete = rows {
+                fx.changes.push(Change::DeleteLock {
+                    key: key.clone(),
+                    session_id: id,
+                });
+            }
             fx.freed_locks.push(key.clone());
             released.push((key, lock.token));
         }
         let seats = self.reclaim_seats(id, session.seats, reason, at, fx);
         let jobs = self.settle_jobs(id, session.jobs, at, fx);
-        fx.changes.push(Change::DeleteSession { id });
+        if let Rows::Delete = rows {
+            fx.changes.push(Change::DeleteSession { id });
+        }
         let mut event = self.event(at.wall, EventKind::for_end(reason));
         event.session_id = Some(id);
         event.reason = Some(reason);
@@ -669,6 +685,18 @@ impl State {
 
     /// Ends up to `limit` sessions whose deadline is at or before `now`, earliest first.
     pub fn reap(&mut self, at: At, limit: usize, fx: &mut Effects) -> Vec<Ended> {
+        self.reap_rows(at, limit, Rows::Delete, fx)
+    }
+
+    /// As [`reap`](Self::reap), but leaves the ended sessions' rows and grants out of `fx`:
+    /// for a store that deletes them itself, later, from the ids in the returned ends (the
+    /// embedded store's end log). Everything else an end writes (its seats, jobs and audit
+    /// events) is in `fx` as with `reap`.
+    pub fn reap_leaving_rows(&mut self, at: At, limit: usize, fx: &mut Effects) -> Vec<Ended> {
+        self.reap_rows(at, limit, Rows::Leave, fx)
+    }
+
+    fn reap_rows(&mut self, at: At, limit: usize, rows: Rows, fx: &mut Effects) -> Vec<Ended> {
         // Sized once: a storm's pass ends hundreds, and growing would copy them each time.
         let mut ended = Vec::with_capacity(limit.min(self.expiry.len()));
         while ended.len() < limit {
@@ -683,7 +711,7 @@ impl State {
                 .sessions
                 .remove(&id)
                 .expect("every expiry entry names a present session");
-            ended.push(self.end_unlisted(id, session, EndReason::Expired, at, fx));
+            ended.push(self.end_unlisted(id, session, EndReason::Expired, rows, at, fx));
         }
         ended
     }

@@ -470,3 +470,65 @@ fn restore_gives_every_session_a_fresh_ttl_and_rejects_orphans() {
         Err(RestoreError::TokenAboveRevision { .. })
     ));
 }
+
+/// Reaping while leaving the rows to the store ends the same sessions with the same
+/// releases, seats, jobs, events and counters as a reap that deletes them, and emits
+/// exactly the same changes less the row and grant deletes.
+#[test]
+fn reaping_leaving_rows_differs_only_by_the_row_deletes() {
+    let mut state = State::new(Limits::default());
+    let mut fx = Effects::default();
+    let pool = key("licences");
+    state
+        .put_pool(&pool, 2, String::new(), None, at(0), &mut fx)
+        .unwrap();
+    let queue = key("builds");
+    state
+        .enqueue(
+            crate::domain::JobId::random(),
+            NewJob {
+                queue: queue.clone(),
+                payload: "{}".into(),
+                idempotent: true,
+                max_recoveries: Some(1),
+                kind: None,
+            },
+            at(0),
+            &mut fx,
+        )
+        .unwrap();
+    for i in 0..4 {
+        let id = open(&mut state, 1_000 + i * 10, 0);
+        acquire(&mut state, id, &format!("k{i}"), 1).unwrap();
+        acquire(&mut state, id, &format!("k{i}/b"), 1).unwrap();
+        if i < 2 {
+            state
+                .acquire_seat(id, &pool, String::new(), at(1), &mut fx)
+                .unwrap();
+        }
+        if i == 3 {
+            state.claim(id, &queue, at(1), &mut fx).unwrap().unwrap();
+        }
+    }
+    let live = open(&mut state, 60_000, 0);
+    acquire(&mut state, live, "kept", 1).unwrap();
+
+    let mut leaving = state.clone();
+    let (mut all, mut left) = (Effects::default(), Effects::default());
+    let ended = state.reap(at(5_000), 10, &mut all);
+    assert_eq!(leaving.reap_leaving_rows(at(5_000), 10, &mut left), ended);
+    assert_eq!(ended.len(), 4);
+    assert_eq!(ended[3].jobs.len(), 1);
+    let deletes =
+        |c: &Change| matches!(c, Change::DeleteSession { .. } | Change::DeleteLock { .. });
+    assert_eq!(all.changes.iter().filter(|c| deletes(c)).count(), 4 + 8);
+    assert!(!left.changes.iter().any(deletes));
+    all.changes.retain(|c| !deletes(c));
+    assert_eq!(left.changes, all.changes);
+    assert_eq!(left.freed_locks, all.freed_locks);
+    assert_eq!(leaving.revision(), state.revision());
+    assert_eq!(leaving.event_seq(), state.event_seq());
+    leaving.check_invariants().unwrap();
+    assert!(leaving.holds(live, &key("kept")));
+    assert!(!leaving.holds(ended[0].id, &key("k0")));
+}

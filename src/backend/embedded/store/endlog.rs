@@ -34,7 +34,7 @@ pub(super) use super::tables::END_LOG;
 use super::tables::{
     LOCKS, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SESSIONS_BY_OWNER, SessionRowHead, corrupt, row_of,
 };
-use crate::domain::{Change, LockRecord, SessionId};
+use crate::domain::{LockRecord, SessionId};
 
 /// The sessions one reaper pass ended, whose rows are still to be deleted. Postcard is
 /// positional: fields are only appended.
@@ -52,24 +52,11 @@ impl Ended {
         self.sessions.clear();
     }
 
-    /// Takes the session and lock deletes out of `changes[from..]`, keeping every other
-    /// change in its order. Only for the changes of a reaper pass: every lock delete there
-    /// is an ended session's, and applying the record finds the session's locks through the
-    /// grant index.
-    pub fn take_from(&mut self, changes: &mut Vec<Change>, from: usize) {
-        // Compacted in place: a storm's passes move no change twice.
-        let mut kept = from;
-        for i in from..changes.len() {
-            match &changes[i] {
-                Change::DeleteSession { id } => self.sessions.push(id.as_u128()),
-                Change::DeleteLock { .. } => {}
-                _ => {
-                    changes.swap(kept, i);
-                    kept += 1;
-                }
-            }
-        }
-        changes.truncate(kept);
+    /// Adds the sessions a reaper pass ended, whose row and grant deletes it left out of its
+    /// changes ([`crate::domain::State::reap_leaving_rows`]): applying the record finds
+    /// each session's locks through the grant index.
+    pub fn extend(&mut self, ended: &[crate::domain::Ended]) {
+        self.sessions.extend(ended.iter().map(|e| e.id.as_u128()));
     }
 }
 
