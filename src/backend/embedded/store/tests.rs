@@ -878,3 +878,96 @@ fn trimming_inside_a_commit_computes_the_anchor() {
     tamper(&store, 8);
     assert!(problems(&store)[0].contains("event 10 does not match"));
 }
+
+/// Trims `limit` events older than `before_ms` in a commit of `changes`; returns how many
+/// it trimmed.
+fn trim_commit(
+    store: &Store,
+    state: &State,
+    changes: &[Change],
+    before_ms: u64,
+    limit: usize,
+) -> usize {
+    store
+        .commit(&Batch {
+            changes,
+            revision: state.revision(),
+            event_seq: state.event_seq(),
+            trim_events: Some((at(before_ms).wall, limit)),
+            ..Default::default()
+        })
+        .unwrap()
+        .events_trimmed
+}
+
+/// Trimming events from before the chain existed leaves no anchor while only they go, and
+/// a trim that crosses into the chain anchors what is kept at its last trimmed event.
+#[test]
+fn trimming_across_where_the_chain_begins() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    // Events 1..=3 as an older file holds them: no hashes.
+    events_in_commits(&store, &mut state, 0, 3, 3);
+    edit_events(&store, |_, hashes| {
+        for seq in 1..=3 {
+            hashes.remove(seq).unwrap();
+        }
+    });
+    events_in_commits(&store, &mut state, 3, 8, 5);
+    assert_eq!(stored_hashes(&store), vec![4, 8]);
+
+    // Only unhashed events trimmed: nothing to anchor, the chain's marker stays.
+    assert_eq!(trim_commit(&store, &state, &[], 20_000, 2), 2);
+    assert_eq!(stored_hashes(&store), vec![4, 8]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+
+    // The last unhashed event and the chain's first two go: the anchor is computed from
+    // the marker, and the marker goes with the events below the anchor.
+    assert_eq!(trim_commit(&store, &state, &[], 20_000, 3), 3);
+    assert_eq!(stored_hashes(&store), vec![5, 8]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    // The anchor proves what follows it.
+    tamper(&store, 7);
+    let found = problems(&store);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("event 8 does not match"), "{found:?}");
+}
+
+/// A commit whose trim takes every event, its own last one included, keeps that event's
+/// hash as the anchor: the log is empty yet the next commit chains on from it, and an
+/// edit after that is still found.
+#[test]
+fn a_commit_that_trims_its_own_last_event_keeps_it_as_the_anchor() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    events_in_commits(&store, &mut state, 0, 4, 4);
+    let mut fx = Effects::default();
+    for i in 4..6 {
+        state
+            .open(
+                SessionId::random(),
+                "a".into(),
+                None,
+                String::new(),
+                at(i * 1_000),
+                &mut fx,
+            )
+            .unwrap();
+    }
+    // Events 5 and 6 are appended and, with 1..=4, all older than the cut.
+    assert_eq!(trim_commit(&store, &state, &fx.changes, 60_000, 100), 6);
+    fx.clear();
+    assert_eq!(store.check().unwrap().events, 0);
+    assert_eq!(stored_hashes(&store), vec![6]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+
+    events_in_commits(&store, &mut state, 100, 103, 3);
+    assert_eq!(stored_hashes(&store), vec![6, 9]);
+    assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    tamper(&store, 7);
+    let found = problems(&store);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("event 9 does not match"), "{found:?}");
+}
