@@ -26,8 +26,15 @@ pub enum CodecError {
     Postcard(#[from] postcard::Error),
 }
 
+/// Room a record's bytes start with: most records fit, so encoding allocates once rather
+/// than growing the buffer from one byte through every power of two.
+const RECORD_ROOM: usize = 64;
+/// The same for an audit event, which carries more text (a key, an owner, a reason).
+const EVENT_ROOM: usize = 192;
+
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    let mut buf = vec![FORMAT_V1];
+    let mut buf = Vec::with_capacity(RECORD_ROOM);
+    buf.push(FORMAT_V1);
     // Serializing plain structs into a Vec cannot fail.
     postcard::to_io(value, &mut buf).expect("postcard encodes into a Vec");
     buf
@@ -89,7 +96,8 @@ impl From<EventV1> for Event {
 }
 
 pub fn encode_event(event: &Event) -> Vec<u8> {
-    let mut buf = vec![FORMAT_V2];
+    let mut buf = Vec::with_capacity(EVENT_ROOM);
+    buf.push(FORMAT_V2);
     postcard::to_io(event, &mut buf).expect("postcard encodes into a Vec");
     buf
 }
