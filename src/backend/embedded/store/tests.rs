@@ -665,20 +665,25 @@ fn a_schema_3_file_migrates_to_the_current_schema() {
     assert!(store.load().unwrap().sessions.is_empty());
 }
 
+/// Opens a session at `i` seconds into `fx`: one `session_opened` event.
+fn open_at(state: &mut State, i: u64, fx: &mut Effects) {
+    state
+        .open(
+            SessionId::random(),
+            "a".into(),
+            None,
+            String::new(),
+            at(i * 1_000),
+            fx,
+        )
+        .unwrap();
+}
+
 /// Opens sessions `from..to` in one commit each of `per_commit` sessions (an event each).
 fn events_in_commits(store: &Store, state: &mut State, from: u64, to: u64, per_commit: u64) {
     let mut fx = Effects::default();
     for i in from..to {
-        state
-            .open(
-                SessionId::random(),
-                "a".into(),
-                None,
-                String::new(),
-                at(i * 1_000),
-                &mut fx,
-            )
-            .unwrap();
+        open_at(state, i, &mut fx);
         if (i + 1 - from).is_multiple_of(per_commit) {
             commit(store, state, &mut fx);
         }
@@ -718,6 +723,13 @@ fn problems(store: &Store) -> Vec<String> {
     found
 }
 
+/// The one problem `check` finds with the audit chain.
+fn only_problem(store: &Store) -> String {
+    let mut found = problems(store);
+    assert_eq!(found.len(), 1, "{found:?}");
+    found.remove(0)
+}
+
 /// Flips a bit of event `seq`'s stored bytes, as an edit of the data file would.
 fn tamper(store: &Store, seq: u64) {
     use redb::ReadableTable;
@@ -744,13 +756,9 @@ fn one_hash_a_commit_still_proves_every_event() {
 
     // An event with no stored hash of its own, edited: reported at the next stored hash.
     tamper(&store, 6);
-    let found = problems(&store);
-    assert_eq!(found.len(), 1, "{found:?}");
-    assert!(
-        found[0].contains("event 8 does not match its hash"),
-        "{found:?}"
-    );
-    assert!(found[0].contains("from 5 to 8"), "{found:?}");
+    let found = only_problem(&store);
+    assert!(found.contains("event 8 does not match its hash"), "{found}");
+    assert!(found.contains("from 5 to 8"), "{found}");
     // Flipped back, it verifies again.
     tamper(&store, 6);
     assert!(problems(&store).is_empty(), "{:?}", problems(&store));
@@ -794,9 +802,8 @@ fn one_hash_a_commit_still_proves_every_event() {
         events.insert(7, fifth.as_slice()).unwrap();
         hashes.remove(6).unwrap();
     });
-    let found = problems(&store);
-    assert_eq!(found.len(), 1, "{found:?}");
-    assert!(found[0].contains("events 4 to 7 have no hash"), "{found:?}");
+    let found = only_problem(&store);
+    assert!(found.contains("events 4 to 7 have no hash"), "{found}");
 }
 
 /// A file written before one hash a commit, with every event's hash stored, verifies as it
@@ -824,9 +831,18 @@ fn a_chain_with_every_hash_stored_verifies_and_goes_on() {
     assert!(problems(&store).is_empty(), "{:?}", problems(&store));
     // Editing an old event is still found at its own hash.
     tamper(&store, 3);
-    let found = problems(&store);
-    assert_eq!(found.len(), 1, "{found:?}");
-    assert!(found[0].contains("event 3 does not match"), "{found:?}");
+    let found = only_problem(&store);
+    assert!(found.contains("event 3 does not match"), "{found}");
+}
+
+/// Events 1..=`n` as a file written before the audit chain holds them: no hashes.
+fn older_unhashed_events(store: &Store, state: &mut State, n: u64) {
+    events_in_commits(store, state, 0, n, n);
+    edit_events(store, |_, hashes| {
+        for seq in 1..=n {
+            hashes.remove(seq).unwrap();
+        }
+    });
 }
 
 /// Events from before the chain existed stay outside it; the chain begins at the first
@@ -836,47 +852,13 @@ fn a_chain_begun_over_older_events_marks_its_first() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 1 << 20).unwrap();
     let mut state = State::new(Limits::default());
-    events_in_commits(&store, &mut state, 0, 3, 3);
-    edit_events(&store, |_, hashes| {
-        for seq in 1..=3 {
-            hashes.remove(seq).unwrap();
-        }
-    });
+    older_unhashed_events(&store, &mut state, 3);
     assert!(problems(&store).is_empty(), "{:?}", problems(&store));
     events_in_commits(&store, &mut state, 3, 7, 4);
     assert_eq!(stored_hashes(&store), vec![4, 7]);
     assert!(problems(&store).is_empty(), "{:?}", problems(&store));
     tamper(&store, 5);
     assert!(problems(&store)[0].contains("event 7 does not match"));
-}
-
-/// Trimming inside a commit's events leaves the hash of the last trimmed as the anchor,
-/// computed through them, and what is kept verifies.
-#[test]
-fn trimming_inside_a_commit_computes_the_anchor() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path(), 1 << 20).unwrap();
-    let mut state = State::new(Limits::default());
-    events_in_commits(&store, &mut state, 0, 10, 5);
-    assert_eq!(stored_hashes(&store), vec![1, 5, 10]);
-    for (limit, anchors) in [(3, vec![3, 5, 10]), (4, vec![7, 10])] {
-        let trimmed = store
-            .commit(&Batch {
-                changes: &[],
-                revision: state.revision(),
-                event_seq: state.event_seq(),
-                trim_events: Some((at(20_000).wall, limit)),
-                ..Default::default()
-            })
-            .unwrap()
-            .events_trimmed;
-        assert_eq!(trimmed, limit);
-        assert_eq!(stored_hashes(&store), anchors);
-        assert!(problems(&store).is_empty(), "{:?}", problems(&store));
-    }
-    // The anchor proves what follows it: editing the first kept event is found.
-    tamper(&store, 8);
-    assert!(problems(&store)[0].contains("event 10 does not match"));
 }
 
 /// Trims `limit` events older than `before_ms` in a commit of `changes`; returns how many
@@ -900,6 +882,25 @@ fn trim_commit(
         .events_trimmed
 }
 
+/// Trimming inside a commit's events leaves the hash of the last trimmed as the anchor,
+/// computed through them, and what is kept verifies.
+#[test]
+fn trimming_inside_a_commit_computes_the_anchor() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    events_in_commits(&store, &mut state, 0, 10, 5);
+    assert_eq!(stored_hashes(&store), vec![1, 5, 10]);
+    for (limit, anchors) in [(3, vec![3, 5, 10]), (4, vec![7, 10])] {
+        assert_eq!(trim_commit(&store, &state, &[], 20_000, limit), limit);
+        assert_eq!(stored_hashes(&store), anchors);
+        assert!(problems(&store).is_empty(), "{:?}", problems(&store));
+    }
+    // The anchor proves what follows it: editing the first kept event is found.
+    tamper(&store, 8);
+    assert!(problems(&store)[0].contains("event 10 does not match"));
+}
+
 /// Trimming events from before the chain existed leaves no anchor while only they go, and
 /// a trim that crosses into the chain anchors what is kept at its last trimmed event.
 #[test]
@@ -907,13 +908,7 @@ fn trimming_across_where_the_chain_begins() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 1 << 20).unwrap();
     let mut state = State::new(Limits::default());
-    // Events 1..=3 as an older file holds them: no hashes.
-    events_in_commits(&store, &mut state, 0, 3, 3);
-    edit_events(&store, |_, hashes| {
-        for seq in 1..=3 {
-            hashes.remove(seq).unwrap();
-        }
-    });
+    older_unhashed_events(&store, &mut state, 3);
     events_in_commits(&store, &mut state, 3, 8, 5);
     assert_eq!(stored_hashes(&store), vec![4, 8]);
 
@@ -929,9 +924,8 @@ fn trimming_across_where_the_chain_begins() {
     assert!(problems(&store).is_empty(), "{:?}", problems(&store));
     // The anchor proves what follows it.
     tamper(&store, 7);
-    let found = problems(&store);
-    assert_eq!(found.len(), 1, "{found:?}");
-    assert!(found[0].contains("event 8 does not match"), "{found:?}");
+    let found = only_problem(&store);
+    assert!(found.contains("event 8 does not match"), "{found}");
 }
 
 /// A commit whose trim takes every event, its own last one included, keeps that event's
@@ -945,16 +939,7 @@ fn a_commit_that_trims_its_own_last_event_keeps_it_as_the_anchor() {
     events_in_commits(&store, &mut state, 0, 4, 4);
     let mut fx = Effects::default();
     for i in 4..6 {
-        state
-            .open(
-                SessionId::random(),
-                "a".into(),
-                None,
-                String::new(),
-                at(i * 1_000),
-                &mut fx,
-            )
-            .unwrap();
+        open_at(&mut state, i, &mut fx);
     }
     // Events 5 and 6 are appended and, with 1..=4, all older than the cut.
     assert_eq!(trim_commit(&store, &state, &fx.changes, 60_000, 100), 6);
@@ -967,7 +952,6 @@ fn a_commit_that_trims_its_own_last_event_keeps_it_as_the_anchor() {
     assert_eq!(stored_hashes(&store), vec![6, 9]);
     assert!(problems(&store).is_empty(), "{:?}", problems(&store));
     tamper(&store, 7);
-    let found = problems(&store);
-    assert_eq!(found.len(), 1, "{found:?}");
-    assert!(found[0].contains("event 9 does not match"), "{found:?}");
+    let found = only_problem(&store);
+    assert!(found.contains("event 9 does not match"), "{found}");
 }
