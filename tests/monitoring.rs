@@ -1,7 +1,8 @@
 //! What an operator watches, against the real binary: the metrics the packaged alert rules
 //! and dashboard use are really exported, labelled counters exist from start-up at zero,
 //! systemd hears READY=1 and STOPPING=1, and the logs (text or JSON) have a line per
-//! session end and per request at debug without ever carrying a whole session id or a token.
+//! session end and per request at debug without ever carrying a whole session id or a token,
+//! and the server runs without transparent huge pages.
 //!
 //! Every wait here is a bound on a poll (the server is up, a datagram came), never a timing
 //! assertion.
@@ -380,4 +381,25 @@ fn text_logs_at_info_leave_requests_out() {
     assert!(ended[0].contains("reason=\"closed\"") || ended[0].contains("reason=closed"));
     assert!(!log.contains("DEBUG"), "{log}");
     assert!(log.lines().all(|l| !l.starts_with('{')), "{log}");
+}
+
+/// `serve` turns transparent huge pages off for its own process (their first-touch zeroing
+/// stalled the writer during expiry storms), and the test process that started it, like any
+/// other, keeps the system's setting.
+#[test]
+fn serve_runs_with_transparent_huge_pages_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), &dir.path().join("log"), None, &[]);
+    let thp = |pid: u32| {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("THP_enabled:"))
+            .map(|v| v.trim().to_string())
+            .expect("/proc/PID/status has THP_enabled (Linux 5.0 and later)")
+    };
+    assert_eq!(thp(server.child.id()), "0");
+    assert_eq!(thp(std::process::id()), "1");
+    let (status, _) = server.stop();
+    assert!(status.success(), "{status}");
 }
