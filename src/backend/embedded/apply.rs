@@ -341,8 +341,7 @@ impl Writer {
             PassSize::AtMost(n) => n,
         };
         // The rows of the sessions it ended are deleted after the storm (the end log).
-        let mut ended = std::mem::take(&mut self.reaped);
-        state.reap_leaving_rows(at, limit, &mut self.fx, &mut ended);
+        let ended = state.reap_leaving_rows(at, limit, &mut self.fx);
         self.ended.extend(&ended);
         if let PassSize::Paced = size {
             self.paced = Some(PacedPass {
@@ -358,15 +357,12 @@ impl Writer {
         for e in &ended {
             self.tally.ended(e);
         }
-        let outcome = ReapOutcome {
+        ReapOutcome {
             sessions: ended.len(),
             locks: ended.iter().map(|e| e.released.len()).sum(),
             seats: ended.iter().map(|e| e.seats.len()).sum(),
             jobs: ended.iter().map(|e| e.jobs.len()).sum(),
-        };
-        ended.clear();
-        self.reaped = ended;
-        outcome
+        }
     }
 
     /// For a call with a request id: answers a retry from its record, or refuses an id

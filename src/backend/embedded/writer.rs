@@ -21,7 +21,7 @@ use super::store::{Batch, Ended};
 use super::tallies::Tally;
 use crate::backend::BackendError;
 use crate::backend::pacing::{PassCost, PassSizer};
-use crate::domain::{At, Effects, UnixMs, state};
+use crate::domain::{At, Effects, UnixMs};
 
 /// A paced pass in the batch being built: what it ended and what that cost before the
 /// commit, so the sizer can learn its share of the batch.
@@ -49,9 +49,6 @@ pub struct Writer {
     pub requests: Requests,
     /// The sessions this batch's reaper passes ended, whose rows go to the end log.
     pub ended: Ended,
-    /// One reaper pass's ends, emptied after each pass and kept: a storm runs hundreds of
-    /// passes, and fresh memory for each cost page faults on the writer's path.
-    pub reaped: Vec<state::Ended>,
     /// Sessions in end-log records not yet applied. Zero at start: opening the store
     /// applies every pending record.
     pub backlog: usize,
@@ -83,7 +80,6 @@ pub fn spawn(
                 storm: false,
                 requests,
                 ended: Ended::default(),
-                reaped: Vec::new(),
                 backlog: 0,
             }
             .run(rx)

@@ -685,37 +685,21 @@ impl State {
 
     /// Ends up to `limit` sessions whose deadline is at or before `now`, earliest first.
     pub fn reap(&mut self, at: At, limit: usize, fx: &mut Effects) -> Vec<Ended> {
-        let mut ended = Vec::new();
-        self.reap_rows(at, limit, Rows::Delete, fx, &mut ended);
-        ended
+        self.reap_rows(at, limit, Rows::Delete, fx)
     }
 
     /// As [`reap`](Self::reap), but leaves the ended sessions' rows and grants out of `fx`:
-    /// for a store that deletes them itself, later, from the ids in the ends (the embedded
-    /// store's end log). Everything else an end writes (its seats, jobs and audit events) is
-    /// in `fx` as with `reap`. The ends are appended to `ended`, so that a storm's passes can
-    /// reuse one buffer rather than take fresh memory from the allocator for each pass.
-    pub fn reap_leaving_rows(
-        &mut self,
-        at: At,
-        limit: usize,
-        fx: &mut Effects,
-        ended: &mut Vec<Ended>,
-    ) {
-        self.reap_rows(at, limit, Rows::Leave, fx, ended);
+    /// for a store that deletes them itself, later, from the ids in the returned ends (the
+    /// embedded store's end log). Everything else an end writes (its seats, jobs and audit
+    /// events) is in `fx` as with `reap`.
+    pub fn reap_leaving_rows(&mut self, at: At, limit: usize, fx: &mut Effects) -> Vec<Ended> {
+        self.reap_rows(at, limit, Rows::Leave, fx)
     }
 
-    fn reap_rows(
-        &mut self,
-        at: At,
-        limit: usize,
-        rows: Rows,
-        fx: &mut Effects,
-        ended: &mut Vec<Ended>,
-    ) {
-        // Room made once: a storm's pass ends hundreds, and growing would copy them each time.
-        ended.reserve(limit.min(self.expiry.len()));
-        for _ in 0..limit {
+    fn reap_rows(&mut self, at: At, limit: usize, rows: Rows, fx: &mut Effects) -> Vec<Ended> {
+        // Sized once: a storm's pass ends hundreds, and growing would copy them each time.
+        let mut ended = Vec::with_capacity(limit.min(self.expiry.len()));
+        while ended.len() < limit {
             match self.expiry.first() {
                 Some(&(deadline, _)) if deadline <= at.now => {}
                 _ => break,
@@ -729,6 +713,7 @@ impl State {
                 .expect("every expiry entry names a present session");
             ended.push(self.end_unlisted(id, session, EndReason::Expired, rows, at, fx));
         }
+        ended
     }
 
     /// The sessions a reap at `now` would end (at most `limit`), changing nothing.

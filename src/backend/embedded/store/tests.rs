@@ -412,8 +412,7 @@ fn sessions_with_locks(store: &Store, state: &mut State, n: usize) -> Vec<Sessio
 /// Reaps every due session at `ms` and commits the pass with its deletes in the end log.
 fn reap_deferred(store: &Store, state: &mut State, ms: u64) -> usize {
     let mut fx = Effects::default();
-    let mut ended = Vec::new();
-    state.reap_leaving_rows(at(ms), usize::MAX, &mut fx, &mut ended);
+    let ended = state.reap_leaving_rows(at(ms), usize::MAX, &mut fx);
     let mut log = Ended::default();
     log.extend(&ended);
     store
