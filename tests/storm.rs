@@ -12,6 +12,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use leasehold::backend::EngineConfig;
@@ -75,6 +76,42 @@ async fn a_storm_in_large_passes_audits_every_session_once_and_frees_every_lock(
     storm(LARGE_PASSES).await;
 }
 
+/// Lists every `storm/` lock, page by page, until `stop`; returns how many listings it made.
+async fn list_until_stopped(
+    engine: Engine,
+    granted: HashMap<String, Token>,
+    stop: Arc<AtomicBool>,
+) -> usize {
+    let mut before: Option<HashSet<String>> = None;
+    let mut listings = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let mut shown = HashSet::new();
+        let mut after = None;
+        loop {
+            let (page, next) = engine.locks("storm/", after.as_deref(), 700).await.unwrap();
+            for (k, lock) in page {
+                assert_eq!(lock.token, granted[&k], "{k} is listed with another token");
+                shown.insert(k);
+            }
+            match next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        if let Some(before) = &before {
+            let back: Vec<_> = shown.difference(before).take(5).collect();
+            assert!(
+                back.is_empty(),
+                "freed locks listed as held again: {back:?}"
+            );
+        }
+        before = Some(shown);
+        listings += 1;
+        tokio::task::yield_now().await;
+    }
+    listings
+}
+
 async fn storm(pacing: Pacing) {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(UnixMs(1_800_000_000_000));
@@ -109,6 +146,19 @@ async fn storm(pacing: Pacing) {
     }
     assert_eq!(dying.len(), DYING);
 
+    // A reader lists the storm's locks over and over while they are reaped and their rows
+    // deleted: nobody takes a storm key again, so each listing shows a subset of the one
+    // before (a lock once shown free is never shown held again), each with its own token.
+    let stop = Arc::new(AtomicBool::new(false));
+    let lister = tokio::spawn(list_until_stopped(
+        engine.clone(),
+        dying
+            .values()
+            .map(|(k, t)| (k.as_str().to_string(), *t))
+            .collect(),
+        stop.clone(),
+    ));
+
     clock.advance(TTL_MS);
     // The live client keeps working through the storm; each of its rounds must succeed.
     let metrics = engine.metrics().clone();
@@ -137,6 +187,9 @@ async fn storm(pacing: Pacing) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    stop.store(true, Ordering::Relaxed);
+    let listings = lister.await.unwrap();
+    assert!(listings > 1, "the storm was listed {listings} times");
 
     // Every dying session was audited exactly once, as expired, releasing exactly its lock
     // with the token it was granted.

@@ -36,9 +36,11 @@ pub struct Store {
     /// The sessions named by committed end-log records not yet applied: their locks may still
     /// be in the lock table, and reads of it hide them. Sessions are added once the record
     /// has committed and removed once the commit that applied it has; a read holds the read
-    /// side from before it opens its transaction until it has filtered, so the snapshot it
-    /// reads and the set it filters by agree (a removal waits for it, and a read after a
-    /// removal sees the applied commit).
+    /// side from before it opens its transaction until it has filtered, so a removal waits
+    /// for it (and a read after a removal sees the applied commit). An addition comes only
+    /// once its commit is durable, so no lock is hidden before its end is; a read whose
+    /// snapshot opens between the two lists that commit's ended sessions' locks, as a read
+    /// just before the commit would.
     pub(super) ended: RwLock<EndedIds>,
 }
 

@@ -16,7 +16,7 @@
 //! - memory is the authority on which sessions are live and which locks are held, and every
 //!   read of a session row passes through it; a read of the lock table passes through the
 //!   store's set of sessions with ends pending ([`super::db::Store`]), so a lock of an ended
-//!   session is never shown held;
+//!   session is not shown held once the commit that ended it has returned;
 //! - a session id is never reused, so deleting its rows late cannot hit a later session; a
 //!   lock is deleted only while the ended session still holds it, so a later grant of the
 //!   same key is kept;
