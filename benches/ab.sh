@@ -14,6 +14,7 @@
 # the first deadline to all free) and the driver's. Not part of CI: a full run takes several
 # minutes.
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"
 old="$(realpath "$1")"
 new="$(realpath "$2")"
 rounds="${3:-2}"
@@ -38,13 +39,7 @@ start() {
     $server_cpu "$1" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level warn \
         >"$work/server.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 100); do
-        curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
-        sleep 0.1
-    done
-    echo "server $1 did not become ready" >&2
-    cat "$work/server.log" >&2
-    exit 1
+    wait_ready "$port" "$pid" "$work/server.log"
 }
 stop() {
     kill "$pid"

@@ -17,6 +17,7 @@
 # connection: the cost of the HTTP layer alone, with no rule and no store behind it. Prints one JSON line per
 # binary and workload. Needs valgrind and curl. Not part of CI.
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"
 [ $# -ge 1 ] || { echo "usage: $0 BINARY..." >&2; exit 2; }
 workloads="${WORKLOADS:-heartbeat lock-churn healthz}"
 clients="${CLIENTS:-16}"
@@ -36,11 +37,8 @@ measure() {
         "$bin" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level warn \
         >"$work/server.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 600); do
-        curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && break
-        kill -0 "$pid" 2>/dev/null || { echo "server $bin exited:" >&2; cat "$work/server.log" >&2; exit 1; }
-        sleep 0.1
-    done
+    # Up to a minute: the server starts slowly under valgrind.
+    wait_ready "$port" "$pid" "$work/server.log" 600
     local ops
     if [ "$workload" = healthz ]; then
         # 200 requests a second of the window, one after another on one kept-alive

@@ -7,10 +7,11 @@
 # system holds for it, the events trimmed so far and the cycle's own figures. Space freed by
 # applied ends and trimmed events must be reused, so the size levels off after the first
 # cycles instead of growing by a cycle's worth each time. Not part of CI: a cycle of a
-# million takes about six minutes.
+# million took about seven minutes on 2 cores.
 #
 #   benches/cycles.sh [CYCLES]      BINARY (default target/release/leasehold)
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"
 cycles="${1:-4}"
 binary="$(realpath "${BINARY:-target/release/leasehold}")"
 sessions="${SESSIONS:-1000000}"
@@ -25,10 +26,7 @@ LEASEHOLD_EVENT_RETENTION_MS="$retention" LEASEHOLD_EVENT_TRIM_BATCH=500000 \
     "$binary" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level warn \
     >"$work/server.log" 2>&1 &
 pid=$!
-for _ in $(seq 1 100); do
-    curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && break
-    sleep 0.1
-done
+wait_ready "$port" "$pid" "$work/server.log"
 metric() {
     curl -fsS "http://127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m { print $2 }'
 }
@@ -38,7 +36,10 @@ for cycle in $(seq 1 "$cycles"); do
     "$binary" bench --server "http://127.0.0.1:$port" --server-pid "$pid" --json --quiet \
         --workload mass-expiry --sessions "$sessions" --clients 8 --ttl-ms 10000 \
         >"$work/cycle.json"
-    while [ "$(metric leasehold_end_log_sessions)" != 0 ]; do sleep 1; done
+    while [ "$(metric leasehold_end_log_sessions)" != 0 ]; do
+        kill -0 "$pid" 2>/dev/null || { echo "the server exited:" >&2; cat "$work/server.log" >&2; exit 1; }
+        sleep 1
+    done
     python3 - "$cycle" "$file" "$(metric leasehold_events_trimmed_total)" "$work/cycle.json" <<'EOF'
 import json, os, sys
 cycle, path, trimmed, bench = sys.argv[1:]

@@ -19,6 +19,7 @@
 # so a pool smaller than the clients measures the pool. Not part of CI: a run takes minutes.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/../lib.sh"
 old="$(realpath "$1")"
 new="$(realpath "$2")"
 clients="${CLIENTS:-64}"
@@ -49,13 +50,7 @@ start() {
         --postgres-pool-size "$pool_size" --listen "127.0.0.1:$port" --log-level warn \
         >"$work/server.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 100); do
-        curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
-        sleep 0.1
-    done
-    echo "server $1 did not become ready" >&2
-    cat "$work/server.log" >&2
-    exit 1
+    wait_ready "$port" "$pid" "$work/server.log"
 }
 stop() {
     kill "$pid"
