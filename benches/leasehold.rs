@@ -1,7 +1,8 @@
 //! The benchmark binary: one criterion binary with four suites, run in test mode by CI.
 //!
 //! - `domain`: the pure `State`, no I/O — the floor the engine numbers are compared with;
-//! - `store`: `Store::commit` of a batch of lock changes, fsync included;
+//! - `store`: `Store::commit` of a batch of lock changes, fsync included; a page of the lock
+//!   listing right after a reaper pass hid every lock under its prefix;
 //! - `engine`: the `Engine` handle as the API calls it, on a real store with fsync: lock
 //!   acquire + release, seat acquire + release, job enqueue + claim + complete, heartbeat,
 //!   open + close;
@@ -27,7 +28,7 @@ use criterion::{
 use leasehold::backend::EngineConfig;
 use leasehold::backend::ReapOutcome;
 use leasehold::backend::embedded::Embedded as Engine;
-use leasehold::backend::embedded::store::{Batch, Store};
+use leasehold::backend::embedded::store::{Batch, Ended, Store};
 use leasehold::clock::{Clock, ManualClock, SystemClock};
 use leasehold::domain::{
     At, Effects, EndReason, Finish, JobId, Limits, LockKey, Mono, NewJob, PoolName, QueueName,
@@ -425,6 +426,66 @@ fn store(c: &mut Criterion) {
                 }
                 timed
             });
+        });
+    }
+    group.finish();
+}
+
+/// Sessions whose locks a listing must step over in `store/list_hidden`.
+fn hidden_sizes() -> Vec<usize> {
+    if cfg!(debug_assertions) || std::env::args().any(|a| a == "--test") {
+        vec![1_000]
+    } else {
+        vec![100_000, 1_000_000]
+    }
+}
+
+/// `store/list_hidden/N`: one page of `GET /v1/locks?prefix=P&limit=1` right after a reaper
+/// pass ended the N sessions holding every lock under `P`, while their rows wait in the end
+/// log: what the mass-expiry driver's poll asks at the end of a storm. The page is empty,
+/// and the read must step over every hidden lock to find that out.
+fn list_hidden(c: &mut Criterion) {
+    let mut group = c.benchmark_group("store/list_hidden");
+    for n in hidden_sizes() {
+        let dir = bench_dir();
+        let store = Store::open(dir.path(), CACHE_BYTES).expect("open the store");
+        let mut state = State::new(Limits::default());
+        let mut fx = Effects::default();
+        for i in 0..n {
+            let id = domain_open(&mut state, SHORT_TTL_MS, Mono(0), &mut fx);
+            domain_acquire(
+                &mut state,
+                id,
+                &key(&format!("hidden/{i:07}")),
+                Mono(0),
+                &mut fx,
+            );
+        }
+        let commit = |fx: &Effects, state: &State, ended: Option<&Ended>| {
+            store
+                .commit(&Batch {
+                    changes: &fx.changes,
+                    revision: state.revision(),
+                    event_seq: state.event_seq(),
+                    ended,
+                    ..Batch::default()
+                })
+                .expect("commit")
+        };
+        commit(&fx, &state, None);
+        fx.clear();
+        let reaped = state.reap_leaving_rows(at(Mono(SHORT_TTL_MS)), n, &mut fx);
+        assert_eq!(reaped.len(), n);
+        let mut ended = Ended::default();
+        ended.extend(&reaped);
+        commit(&fx, &state, Some(&ended));
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+            b.iter(|| {
+                let page = store.locks("hidden/", None, 1).expect("list");
+                assert!(page.is_empty());
+                black_box(page)
+            })
         });
     }
     group.finish();
@@ -977,6 +1038,6 @@ fn startup(c: &mut Criterion) {
 criterion_group! {
     name = suites;
     config = config();
-    targets = domain, store, engine, reaper, startup
+    targets = domain, store, list_hidden, engine, reaper, startup
 }
 criterion_main!(suites);

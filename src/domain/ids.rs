@@ -148,6 +148,14 @@ impl LockKey {
     }
 }
 
+/// A map keyed by lock keys is looked up by the key's text: a `LockKey`'s order, equality
+/// and hash are its text's.
+impl std::borrow::Borrow<str> for LockKey {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 impl fmt::Display for LockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

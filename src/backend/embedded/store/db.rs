@@ -4,20 +4,19 @@
 //! After any failed write the store refuses every later one (fail-stop): a retry could
 //! acknowledge something a torn commit lost.
 
-use std::collections::HashSet;
-use std::hash::BuildHasherDefault;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::RwLock;
-use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable};
+use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata};
 
+use super::codec;
 use super::endlog;
 use super::error::StoreError;
 use super::fault::{FaultSwitch, FaultyBackend};
+use super::held::Held;
 use super::migrate;
-use super::tables::{self, META, META_SCHEMA, SCHEMA_VERSION};
-use crate::domain::ids::SessionIdHasher;
+use super::tables::{self, LOCKS, META, META_SCHEMA, SCHEMA_VERSION, corrupt, stored_key};
+use crate::domain::LockRecord;
 
 /// Sessions per transaction when the pending ends are applied at open.
 const OPEN_APPLY_SESSIONS: usize = 50_000;
@@ -25,23 +24,14 @@ const OPEN_APPLY_SESSIONS: usize = 50_000;
 /// The file inside the data directory.
 pub const DATA_FILE: &str = "leasehold.redb";
 
-/// The ids of sessions with ends pending; drawn by the server, so hashed by their own bits.
-pub(super) type EndedIds = HashSet<u128, BuildHasherDefault<SessionIdHasher>>;
-
 pub struct Store {
     pub(super) db: Database,
     path: PathBuf,
     /// Set by the first failed write; never cleared while the process lives.
     pub(super) failed: AtomicBool,
-    /// The sessions named by committed end-log records not yet applied: their locks may still
-    /// be in the lock table, and reads of it hide them. Sessions are added once the record
-    /// has committed and removed once the commit that applied it has; a read holds the read
-    /// side from before it opens its transaction until it has filtered, so a removal waits
-    /// for it (and a read after a removal sees the applied commit). An addition comes only
-    /// once its commit is durable, so no lock is hidden before its end is; a read whose
-    /// snapshot opens between the two lists that commit's ended sessions' locks, as a read
-    /// just before the commit would.
-    pub(super) ended: RwLock<EndedIds>,
+    /// The committed locks not hidden by a pending end, in key order: what lock reads
+    /// answer from ([`super::held`]).
+    pub(super) held: Held,
 }
 
 impl std::fmt::Debug for Store {
@@ -131,14 +121,29 @@ impl Store {
             tables::create_all(&txn)?;
         }
         txn.commit().map_err(StoreError::redb)?;
-        let store = Store {
+        let mut store = Store {
             db,
             path,
             failed: AtomicBool::new(false),
-            ended: RwLock::default(),
+            held: Held::default(),
         };
         store.apply_all_ends()?;
+        // With no end pending, every row of the lock table is a held lock.
+        store.held = Held::new(store.lock_rows()?);
         Ok(store)
+    }
+
+    /// Every row of the lock table, in key order.
+    fn lock_rows(&self) -> Result<Vec<(crate::domain::LockKey, LockRecord)>, StoreError> {
+        let txn = self.read()?;
+        let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        let mut locks = Vec::with_capacity(table.len().map_err(StoreError::redb)? as usize);
+        for row in table.iter().map_err(StoreError::redb)? {
+            let (key, bytes) = row.map_err(StoreError::redb)?;
+            let record = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            locks.push((stored_key(key.value())?, record));
+        }
+        Ok(locks)
     }
 
     /// Applies every pending end-log record, so that what is loaded has no ended session
@@ -147,7 +152,7 @@ impl Store {
         let mut applied = 0;
         loop {
             let txn = self.db.begin_write().map_err(StoreError::redb)?;
-            let n = endlog::apply(&txn, OPEN_APPLY_SESSIONS)?.len();
+            let n = endlog::apply(&txn, OPEN_APPLY_SESSIONS)?.sessions.len();
             if n == 0 {
                 // Nothing was pending: the empty transaction is dropped, not committed.
                 break;

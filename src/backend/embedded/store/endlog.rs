@@ -146,10 +146,20 @@ pub(super) fn append(txn: &WriteTransaction, ended: &Ended) -> Result<(), StoreE
     Ok(())
 }
 
+/// What applying end-log records deleted.
+#[derive(Debug, Default)]
+pub(super) struct Applied {
+    /// The sessions applied, in row order.
+    pub sessions: Vec<u128>,
+    /// Their grants, in key order, with the holder: the lock itself went only where that
+    /// session still held it.
+    pub grants: Vec<(String, u128)>,
+}
+
 /// Applies the oldest pending records, whole, until at least `limit` sessions are applied or
-/// none is left, and deletes them; returns the sessions applied. The session deletes are made
-/// in row order and the lock deletes in key order, so neighbouring deletes share their page.
-pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<Vec<u128>, StoreError> {
+/// none is left, and deletes them. The session deletes are made in row order and the lock
+/// deletes in key order, so neighbouring deletes share their page.
+pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<Applied, StoreError> {
     let mut log = txn.open_table(END_LOG).map_err(StoreError::redb)?;
     let mut taken = Vec::new();
     let mut sessions = Vec::new();
@@ -191,7 +201,10 @@ pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<Vec<u128>, S
     for (_, id) in &rows {
         t.delete_session(*id)?;
     }
-    Ok(rows.into_iter().map(|(_, id)| id).collect())
+    Ok(Applied {
+        sessions: rows.into_iter().map(|(_, id)| id).collect(),
+        grants: grants.into_iter().map(|(key, _, id)| (key, id)).collect(),
+    })
 }
 
 /// How many records are pending.

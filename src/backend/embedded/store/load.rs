@@ -7,13 +7,11 @@ use super::codec;
 use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOBS, LOCKS, META, META_EVENT_SEQ, META_REVISION, POOLS, SEATS, SESSION_ROWS,
-    SessionRow, corrupt, counter, stored_key,
+    EVENTS, JOBS, META, META_EVENT_SEQ, META_REVISION, POOLS, SEATS, SESSION_ROWS, SessionRow,
+    corrupt, counter, stored_key,
 };
 use crate::domain::state::Restore;
-use crate::domain::{
-    JobId, JobRecord, LockRecord, PoolRecord, RequestRecord, SeatRecord, SessionId,
-};
+use crate::domain::{JobId, JobRecord, PoolRecord, RequestRecord, SeatRecord, SessionId};
 
 /// The audit counter to continue from: the stored one, unless the log already holds a
 /// higher sequence number — a counter fallen behind (a bug, or a damaged file) would number
@@ -68,13 +66,9 @@ impl Store {
             let stored: SessionRow = codec::decode(bytes.value()).map_err(corrupt("session"))?;
             sessions.push((stored.id, stored.record.ttl_ms));
         }
-        let locks_table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        let mut locks = Vec::with_capacity(locks_table.len().unwrap_or(0) as usize);
-        for row in locks_table.iter().map_err(StoreError::redb)? {
-            let (key, bytes) = row.map_err(StoreError::redb)?;
-            let record: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-            locks.push((stored_key(key.value())?, record));
-        }
+        // The lock view was read from the lock table at open, with no end pending; its keys
+        // are shared with the state's.
+        let locks = self.held.all();
         let mut pools = Vec::new();
         for row in txn
             .open_table(POOLS)

@@ -9,7 +9,8 @@
 //! - `load`: the start-up load; `write`: a [`Batch`] in one write transaction; `read`: point
 //!   and range reads; `check`: the integrity check; `migrate`: the versioned migrations of
 //!   older files, run at open;
-//! - `endlog`: the session ends reaper passes deferred, applied in later batches;
+//! - `endlog`: the session ends reaper passes deferred, applied in later batches; `held`:
+//!   the committed locks in key order, in memory, which lock reads answer from;
 //! - [`codec`]: the file format of records; [`fault`]: fault injection for tests.
 
 pub mod backup;
@@ -20,6 +21,7 @@ mod db;
 mod endlog;
 mod error;
 pub mod fault;
+mod held;
 mod load;
 mod migrate;
 mod read;

@@ -105,11 +105,7 @@ impl Store {
 
     /// The lock on `key`, unless it is free or its holder's end is pending in the end log.
     pub fn lock(&self, key: &str) -> Result<Option<LockRecord>, StoreError> {
-        let ended = self.ended.read();
-        let txn = self.read()?;
-        let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        let found: Option<LockRecord> = decoded(table.get(key).map_err(StoreError::redb)?, "lock")?;
-        Ok(found.filter(|lock| !ended.contains(&lock.session_id.as_u128())))
+        Ok(self.held.get(key))
     }
 
     /// Held locks in key order whose key starts with `prefix`, after the key `after`.
@@ -119,33 +115,7 @@ impl Store {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<(String, LockRecord)>, StoreError> {
-        // Held across the transaction: see `Store::ended`.
-        let ended = self.ended.read();
-        let txn = self.read()?;
-        let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        let mut out = Vec::new();
-        let range = match after {
-            Some(after) if after >= prefix => {
-                table.range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
-            }
-            _ => table.range(prefix..),
-        }
-        .map_err(StoreError::redb)?;
-        for row in range {
-            if out.len() == limit {
-                break;
-            }
-            let (key, bytes) = row.map_err(StoreError::redb)?;
-            let key = key.value();
-            if !key.starts_with(prefix) {
-                break;
-            }
-            let lock: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-            if !ended.contains(&lock.session_id.as_u128()) {
-                out.push((key.to_string(), lock));
-            }
-        }
-        Ok(out)
+        Ok(self.held.page(prefix, after, limit))
     }
 
     /// Audit events with a sequence number above `after`, oldest first.

@@ -479,6 +479,7 @@ fn deferred_ends_check_clean_and_survive_a_crash_applied_once() {
     assert_eq!(store.pending_ends().unwrap(), 1);
     assert_eq!(store.lock("k0").unwrap().unwrap().session_id, live);
     assert_eq!(store.lock("k1").unwrap(), None);
+    assert_view_mirrors_the_table(&store);
     let report = store.check().unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     assert_eq!((report.sessions, report.locks), (1, 1));
@@ -495,6 +496,7 @@ fn deferred_ends_check_clean_and_survive_a_crash_applied_once() {
     assert_eq!(restore.locks.len(), 1);
     assert_eq!(restore.locks[0].0, k0);
     assert_eq!(restore.locks[0].1.session_id, live);
+    assert_view_mirrors_the_table(&store);
     for id in &ids {
         assert!(store.session_locks(*id).unwrap().is_empty());
     }
@@ -517,6 +519,29 @@ fn stored_locks(store: &Store) -> Vec<(String, SessionId)> {
             (k.value().to_string(), lock.session_id)
         })
         .collect()
+}
+
+/// The in-memory lock view holds exactly the lock table's rows and the sessions of the
+/// pending end-log records.
+fn assert_view_mirrors_the_table(store: &Store) {
+    use redb::{ReadableDatabase, ReadableTable};
+    let txn = store.db.begin_read().unwrap();
+    let table = txn.open_table(super::tables::LOCKS).unwrap();
+    let rows: Vec<(String, LockRecord)> = table
+        .iter()
+        .unwrap()
+        .map(|row| {
+            let (k, v) = row.unwrap();
+            (
+                k.value().to_string(),
+                super::codec::decode(v.value()).unwrap(),
+            )
+        })
+        .collect();
+    let log = txn.open_table(super::endlog::END_LOG).unwrap();
+    let mut pending = super::endlog::pending_sessions(&log).unwrap();
+    pending.sort_unstable();
+    assert_eq!(store.held.contents(), (rows, pending));
 }
 
 /// A reaper pass's grants stay in the lock table until its record is applied, and no read
@@ -546,6 +571,11 @@ fn deferred_grants_are_hidden_until_applied_and_a_later_grant_stays() {
     let listed = store.locks("", None, 10).unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!((listed[0].0.as_str(), listed[0].1.session_id), ("k1", live));
+    // A page after a hidden key, and one that starts on it, still find the shown lock.
+    assert_eq!(store.locks("", Some("k0"), 10).unwrap(), listed);
+    assert_eq!(store.locks("k", None, 1).unwrap(), listed);
+    assert!(store.locks("k2", None, 10).unwrap().is_empty());
+    assert_view_mirrors_the_table(&store);
     let report = store.check().unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     assert_eq!((report.sessions, report.locks), (1, 1));
@@ -563,7 +593,9 @@ fn deferred_grants_are_hidden_until_applied_and_a_later_grant_stays() {
     assert_eq!(applied, 3);
     assert_eq!(stored_locks(&store), vec![("k1".to_string(), live)]);
     assert_eq!(store.session_locks(live).unwrap().len(), 1);
-    assert!(store.ended.read().is_empty());
+    assert_view_mirrors_the_table(&store);
+    assert_eq!(store.lock("k1").unwrap().unwrap().session_id, live);
+    assert_eq!(store.locks("", None, 10).unwrap().len(), 1);
     let report = store.check().unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     assert_eq!((report.sessions, report.locks), (1, 1));

@@ -9,7 +9,7 @@ use redb::{ReadableTable, WriteTransaction};
 use super::chain;
 use super::codec;
 use super::db::Store;
-use super::endlog::{self, Ended, SessionTables};
+use super::endlog::{self, Applied, Ended, SessionTables};
 use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, META, META_EVENT_SEQ, META_REVISION,
@@ -64,25 +64,17 @@ impl Store {
         let applied = if batch.apply_ended > 0 {
             endlog::apply(&txn, batch.apply_ended)?
         } else {
-            Vec::new()
+            Applied::default()
         };
-        committed.ends_applied = applied.len();
+        committed.ends_applied = applied.sessions.len();
         let appended = batch.ended.filter(|e| !e.is_empty());
         if let Some(ended) = appended {
             endlog::append(&txn, ended)?;
         }
         txn.commit().map_err(StoreError::redb)?;
-        // Only now: a read must not hide a lock before its end is durable, nor show one
-        // after the delete that applied the end is.
-        if appended.is_some() || !applied.is_empty() {
-            let mut pending = self.ended.write();
-            for id in &applied {
-                pending.remove(id);
-            }
-            if let Some(ended) = appended {
-                pending.extend(ended.sessions.iter().copied());
-            }
-        }
+        // Only now: a read must not show a lock before its grant is durable, nor hide one
+        // before its release or end is.
+        self.held.committed(batch.changes, &applied, appended);
         Ok(committed)
     }
 }
