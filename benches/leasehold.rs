@@ -31,8 +31,8 @@ use leasehold::backend::embedded::Embedded as Engine;
 use leasehold::backend::embedded::store::{Batch, Ended, Store};
 use leasehold::clock::{Clock, ManualClock, SystemClock};
 use leasehold::domain::{
-    At, Effects, EndReason, Finish, JobId, Limits, LockKey, Mono, NewJob, PoolName, QueueName,
-    SessionId, State, Token, UnixMs,
+    At, Change, Effects, EndReason, Finish, JobId, Limits, LockKey, Mono, NewJob, PoolName,
+    QueueName, SessionId, State, Token, UnixMs,
 };
 use leasehold::metrics::Metrics;
 use tempfile::TempDir;
@@ -323,6 +323,12 @@ fn domain(c: &mut Criterion) {
 
 /// `n` sessions opened at 0 with the short TTL, each holding one lock: all due at the TTL.
 fn expired_state(n: usize) -> State {
+    expired_holders(n, "reap/", Effects::clear)
+}
+
+/// `n` sessions opened at 0 with the short TTL, each holding the lock `{prefix}{i:06}`; the
+/// effects of each open and acquire are handed to `taken`, which clears them.
+fn expired_holders(n: usize, prefix: &str, mut taken: impl FnMut(&mut Effects)) -> State {
     let mut state = State::new(Limits::default());
     let mut fx = Effects::default();
     for i in 0..n {
@@ -330,11 +336,11 @@ fn expired_state(n: usize) -> State {
         domain_acquire(
             &mut state,
             id,
-            &key(&format!("reap/{i:06}")),
+            &key(&format!("{prefix}{i:06}")),
             Mono(0),
             &mut fx,
         );
-        fx.clear();
+        taken(&mut fx);
     }
     state
 }
@@ -449,22 +455,15 @@ fn list_hidden(c: &mut Criterion) {
     for n in hidden_sizes() {
         let dir = bench_dir();
         let store = Store::open(dir.path(), CACHE_BYTES).expect("open the store");
-        let mut state = State::new(Limits::default());
-        let mut fx = Effects::default();
-        for i in 0..n {
-            let id = domain_open(&mut state, SHORT_TTL_MS, Mono(0), &mut fx);
-            domain_acquire(
-                &mut state,
-                id,
-                &key(&format!("hidden/{i:07}")),
-                Mono(0),
-                &mut fx,
-            );
-        }
-        let commit = |fx: &Effects, state: &State, ended: Option<&Ended>| {
+        let mut opened = Vec::new();
+        let mut state = expired_holders(n, "hidden/", |fx| {
+            opened.append(&mut fx.changes);
+            fx.clear();
+        });
+        let commit = |changes: &[Change], state: &State, ended: Option<&Ended>| {
             store
                 .commit(&Batch {
-                    changes: &fx.changes,
+                    changes,
                     revision: state.revision(),
                     event_seq: state.event_seq(),
                     ended,
@@ -472,13 +471,13 @@ fn list_hidden(c: &mut Criterion) {
                 })
                 .expect("commit")
         };
-        commit(&fx, &state, None);
-        fx.clear();
+        commit(&opened, &state, None);
+        let mut fx = Effects::default();
         let reaped = state.reap_leaving_rows(at(Mono(SHORT_TTL_MS)), n, &mut fx);
         assert_eq!(reaped.len(), n);
         let mut ended = Ended::default();
         ended.extend(&reaped);
-        commit(&fx, &state, Some(&ended));
+        commit(&fx.changes, &state, Some(&ended));
         group.throughput(Throughput::Elements(n as u64));
         group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
             b.iter(|| {

@@ -16,7 +16,7 @@ use super::fault::{FaultSwitch, FaultyBackend};
 use super::held::Held;
 use super::migrate;
 use super::tables::{self, LOCKS, META, META_SCHEMA, SCHEMA_VERSION, corrupt, stored_key};
-use crate::domain::LockRecord;
+use crate::domain::{LockKey, LockRecord};
 
 /// Sessions per transaction when the pending ends are applied at open.
 const OPEN_APPLY_SESSIONS: usize = 50_000;
@@ -134,7 +134,7 @@ impl Store {
     }
 
     /// Every row of the lock table, in key order.
-    fn lock_rows(&self) -> Result<Vec<(crate::domain::LockKey, LockRecord)>, StoreError> {
+    fn lock_rows(&self) -> Result<Vec<(LockKey, LockRecord)>, StoreError> {
         let txn = self.read()?;
         let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
         let mut locks = Vec::with_capacity(table.len().map_err(StoreError::redb)? as usize);

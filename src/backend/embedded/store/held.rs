@@ -5,9 +5,9 @@
 //! `ended` exactly the sessions named by its pending end-log records. A reaper pass leaves
 //! its sessions' lock rows in the table until its record is applied after the storm (see
 //! [`super::endlog`]), and reads hide a lock whose holder is in `ended`. Walking the redb
-//! table past such rows took about a second a page after a storm of a million; here a page
-//! steps over them in memory, looking each holder up in a hash set, and a point read is one
-//! lookup. The rows leave the view when their record is applied, in key order, off the storm.
+//! table past a million such rows took about 0.4 s a page (`store/list_hidden`); here a
+//! page steps over them in memory, looking each holder up in a hash set (about 0.11 s), and
+//! a point read is one lookup. The rows leave the view when their record is applied, in key order, off the storm.
 //! Keeping them until then, rather than taking each out as its pass commits, keeps the
 //! storm's own work to one set insert a session: taking 100 000 keys out of an ordered map
 //! one by one, in deadline order, cost the writer more than the walks it saved.
