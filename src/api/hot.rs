@@ -12,12 +12,12 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::task::Poll;
 use std::time::Instant;
 
 use axum::extract::State;
 use axum::http::{Method, Request};
 use axum::response::{IntoResponse, Response};
+use futures_util::FutureExt;
 use hyper::body::Incoming;
 use tower_http::catch_panic::{DefaultResponseForPanic, ResponseForPanic};
 
@@ -174,19 +174,17 @@ impl Hot {
 
 /// `future`'s answer, or the answer the router's panic layer gives (500) if it panics, so a
 /// panicking handler costs its request, not the connection.
-pub async fn catch_panic(future: impl Future<Output = Response>) -> Response {
-    let mut future = std::pin::pin!(future);
-    std::future::poll_fn(move |cx| {
-        match std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {
-            Ok(poll) => poll,
-            Err(panic) => Poll::Ready(
-                DefaultResponseForPanic::default()
-                    .response_for_panic(panic)
-                    .map(axum::body::Body::new),
-            ),
-        }
+///
+/// Not an `async fn`: one would keep `future` twice in its own state, as the argument and as
+/// the pinned local it polls, and every request's future is copied as it starts.
+pub fn catch_panic(future: impl Future<Output = Response>) -> impl Future<Output = Response> {
+    AssertUnwindSafe(future).catch_unwind().map(|answer| {
+        answer.unwrap_or_else(|panic| {
+            DefaultResponseForPanic::default()
+                .response_for_panic(panic)
+                .map(axum::body::Body::new)
+        })
     })
-    .await
 }
 
 #[cfg(test)]
@@ -231,5 +229,24 @@ mod tests {
         ] {
             assert_eq!(route(m, p), None, "{m} {p}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_panic_in_a_handler_answers_500_and_an_answer_passes_through() {
+        let answer = catch_panic(async { axum::http::StatusCode::ACCEPTED.into_response() }).await;
+        assert_eq!(answer.status(), axum::http::StatusCode::ACCEPTED);
+        // Panics after a first poll, as a handler would after awaiting something.
+        let panics = async {
+            tokio::task::yield_now().await;
+            if answer.status().is_success() {
+                panic!("the handler broke");
+            }
+            answer
+        };
+        let answer = catch_panic(panics).await;
+        assert_eq!(
+            answer.status(),
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR
+        );
     }
 }

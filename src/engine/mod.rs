@@ -41,6 +41,20 @@ macro_rules! each {
     };
 }
 
+/// Awaits `$call`'s future on whichever backend `$engine` holds. The shared backends'
+/// futures are boxed: inline, every request's future would be as large as the largest of
+/// theirs (several kilobytes, copied as each request starts), the embedded backend's
+/// included; a box costs them one allocation beside a network round trip.
+macro_rules! each_await {
+    ($engine:expr, $b:ident => $call:expr) => {
+        match $engine {
+            Engine::Embedded($b) => $call.await,
+            Engine::Postgres($b) => Box::pin($call).await,
+            Engine::Redis($b) => Box::pin($call).await,
+        }
+    };
+}
+
 impl From<Embedded> for Engine {
     fn from(b: Embedded) -> Engine {
         Engine::Embedded(b)
@@ -97,7 +111,7 @@ impl Engine {
         ttl_ms: Option<u64>,
         metadata: Option<String>,
     ) -> Result<OpenedSession> {
-        each!(self, b => Backend::open(b, owner, ttl_ms, metadata).await)
+        each_await!(self, b => Backend::open(b, owner, ttl_ms, metadata))
     }
 
     /// Opens a session under an id the caller drew (see [`Backend::open_as`]).
@@ -108,19 +122,19 @@ impl Engine {
         ttl_ms: Option<u64>,
         metadata: Option<String>,
     ) -> Result<OpenedSession> {
-        each!(self, b => Backend::open_as(b, id, owner, ttl_ms, metadata).await)
+        each_await!(self, b => Backend::open_as(b, id, owner, ttl_ms, metadata))
     }
 
     pub async fn heartbeat(&self, id: SessionId, ttl_ms: Option<u64>) -> Result<Beat> {
-        each!(self, b => Backend::heartbeat(b, id, ttl_ms).await)
+        each_await!(self, b => Backend::heartbeat(b, id, ttl_ms))
     }
 
     pub async fn end(&self, id: SessionId, reason: EndReason) -> Result<Option<Closed>> {
-        each!(self, b => Backend::end(b, id, reason).await)
+        each_await!(self, b => Backend::end(b, id, reason))
     }
 
     pub async fn session(&self, id: SessionId) -> Result<Option<SessionInfo>> {
-        each!(self, b => Backend::session(b, id).await)
+        each_await!(self, b => Backend::session(b, id))
     }
 
     pub async fn sessions(
@@ -129,27 +143,27 @@ impl Engine {
         after: Option<SessionId>,
         limit: usize,
     ) -> Result<SessionPage> {
-        each!(self, b => Backend::sessions(b, owner, after, limit).await)
+        each_await!(self, b => Backend::sessions(b, owner, after, limit))
     }
 
     pub async fn acquire(&self, id: SessionId, key: LockKey, wait_ms: u64) -> Result<Granted> {
-        each!(self, b => Backend::acquire(b, id, key, wait_ms).await)
+        each_await!(self, b => Backend::acquire(b, id, key, wait_ms))
     }
 
     pub async fn release(&self, id: SessionId, key: LockKey, token: Token) -> Result<u64> {
-        each!(self, b => Backend::release(b, id, key, token).await)
+        each_await!(self, b => Backend::release(b, id, key, token))
     }
 
     pub async fn lock(&self, key: &LockKey) -> Result<Option<LockRecord>> {
-        each!(self, b => Backend::lock(b, key).await)
+        each_await!(self, b => Backend::lock(b, key))
     }
 
     pub async fn locks(&self, prefix: &str, after: Option<&str>, limit: usize) -> Result<LockPage> {
-        each!(self, b => Backend::locks(b, prefix, after, limit).await)
+        each_await!(self, b => Backend::locks(b, prefix, after, limit))
     }
 
     pub async fn fence(&self, key: &LockKey, token: Token) -> Result<Fence> {
-        each!(self, b => Backend::fence(b, key, token).await)
+        each_await!(self, b => Backend::fence(b, key, token))
     }
 
     pub async fn put_pool(
@@ -158,19 +172,19 @@ impl Engine {
         capacity: u64,
         metadata: Option<String>,
     ) -> Result<PoolPut> {
-        each!(self, b => Backend::put_pool(b, name, capacity, metadata).await)
+        each_await!(self, b => Backend::put_pool(b, name, capacity, metadata))
     }
 
     pub async fn delete_pool(&self, name: PoolName) -> Result<u64> {
-        each!(self, b => Backend::delete_pool(b, name).await)
+        each_await!(self, b => Backend::delete_pool(b, name))
     }
 
     pub async fn pool(&self, name: &PoolName) -> Result<Option<PoolInfo>> {
-        each!(self, b => Backend::pool(b, name).await)
+        each_await!(self, b => Backend::pool(b, name))
     }
 
     pub async fn pools(&self) -> Result<Vec<(String, u32, usize)>> {
-        each!(self, b => Backend::pools(b).await)
+        each_await!(self, b => Backend::pools(b))
     }
 
     pub async fn acquire_seat(
@@ -180,15 +194,15 @@ impl Engine {
         metadata: Option<String>,
         wait_ms: u64,
     ) -> Result<Granted> {
-        each!(self, b => Backend::acquire_seat(b, id, pool, metadata, wait_ms).await)
+        each_await!(self, b => Backend::acquire_seat(b, id, pool, metadata, wait_ms))
     }
 
     pub async fn release_seat(&self, id: SessionId, pool: PoolName, token: Token) -> Result<u64> {
-        each!(self, b => Backend::release_seat(b, id, pool, token).await)
+        each_await!(self, b => Backend::release_seat(b, id, pool, token))
     }
 
     pub async fn enqueue(&self, job: NewJob) -> Result<(JobId, u64)> {
-        each!(self, b => Backend::enqueue(b, job).await)
+        each_await!(self, b => Backend::enqueue(b, job))
     }
 
     pub async fn claim(
@@ -197,7 +211,7 @@ impl Engine {
         queue: QueueName,
         wait_ms: u64,
     ) -> Result<Option<Claimed>> {
-        each!(self, b => Backend::claim(b, id, queue, wait_ms).await)
+        each_await!(self, b => Backend::claim(b, id, queue, wait_ms))
     }
 
     pub async fn finish_job(
@@ -207,16 +221,16 @@ impl Engine {
         token: Token,
         finish: Finish,
     ) -> Result<u64> {
-        each!(self, b => Backend::finish_job(b, id, job, token, finish).await)
+        each_await!(self, b => Backend::finish_job(b, id, job, token, finish))
     }
 
     /// Runs a mutation once for its `request_id` (see [`Backend::once`]).
     pub async fn once(&self, request: Request, op: Mutation) -> Result<Answer> {
-        each!(self, b => Backend::once(b, request, op).await)
+        each_await!(self, b => Backend::once(b, request, op))
     }
 
     pub async fn requeue(&self, job: JobId) -> Result<u64> {
-        each!(self, b => Backend::requeue(b, job).await)
+        each_await!(self, b => Backend::requeue(b, job))
     }
 
     /// A backup of the embedded store; other backends are backed up by their database's own
@@ -235,15 +249,15 @@ impl Engine {
     }
 
     pub async fn raise_token_floor(&self, floor: u64) -> Result<FloorRaised> {
-        each!(self, b => Backend::raise_token_floor(b, floor).await)
+        each_await!(self, b => Backend::raise_token_floor(b, floor))
     }
 
     pub async fn job(&self, id: JobId) -> Result<Option<(JobRecord, String)>> {
-        each!(self, b => Backend::job(b, id).await)
+        each_await!(self, b => Backend::job(b, id))
     }
 
     pub async fn queue(&self, name: &QueueName) -> Result<QueueInfo> {
-        each!(self, b => Backend::queue(b, name).await)
+        each_await!(self, b => Backend::queue(b, name))
     }
 
     pub async fn queue_jobs(
@@ -253,26 +267,26 @@ impl Engine {
         after: Option<JobId>,
         limit: usize,
     ) -> Result<JobPage> {
-        each!(self, b => Backend::queue_jobs(b, queue, state, after, limit).await)
+        each_await!(self, b => Backend::queue_jobs(b, queue, state, after, limit))
     }
 
     pub async fn events(&self, after: u64, limit: usize) -> Result<(Vec<Event>, Option<u64>)> {
-        each!(self, b => Backend::events(b, after, limit).await)
+        each_await!(self, b => Backend::events(b, after, limit))
     }
 
     pub async fn reap_now(&self) -> Result<ReapOutcome> {
-        each!(self, b => Backend::reap_now(b).await)
+        each_await!(self, b => Backend::reap_now(b))
     }
 
     pub async fn reap_dry_run(&self, limit: usize) -> Result<Vec<DueSession>> {
-        each!(self, b => Backend::reap_dry_run(b, limit).await)
+        each_await!(self, b => Backend::reap_dry_run(b, limit))
     }
 
     pub async fn revision(&self) -> Result<u64> {
-        each!(self, b => Backend::revision(b).await)
+        each_await!(self, b => Backend::revision(b))
     }
 
     pub async fn check(&self) -> Result<CheckReport> {
-        each!(self, b => Backend::check(b).await)
+        each_await!(self, b => Backend::check(b))
     }
 }
