@@ -23,6 +23,10 @@
 # leasehold_redis_old runs the binary OLD_LEASEHOLD (an earlier build) the same way, so
 # TARGETS="leasehold_redis_old leasehold_redis redis_always" compares old, new and raw.
 set -euo pipefail
+# A relative CARGO_TARGET_DIR means the caller's directory: the builds below run in two others.
+if [ -n "${CARGO_TARGET_DIR:-}" ]; then
+    export CARGO_TARGET_DIR="$(realpath -m "$CARGO_TARGET_DIR")"
+fi
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 clients="${CLIENTS:-64}"
