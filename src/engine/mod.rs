@@ -22,7 +22,8 @@ use crate::domain::{
 use crate::metrics::Metrics;
 
 /// The handle the API calls: the configured backend. Cheap to clone. An enum rather than a
-/// trait object, so that a call costs a branch, not an allocation.
+/// trait object, so that a call on the embedded backend costs a branch, not an allocation
+/// (the shared backends' calls box their futures: see `each_await!`).
 #[derive(Clone)]
 pub enum Engine {
     Embedded(Embedded),
