@@ -43,9 +43,9 @@ macro_rules! each {
 }
 
 /// Awaits `$call`'s future on whichever backend `$engine` holds. The shared backends'
-/// futures are boxed: inline, every request's future would be as large as the largest of
-/// theirs (several kilobytes, copied as each request starts), the embedded backend's
-/// included; a box costs them one allocation beside a network round trip.
+/// futures are boxed: inline, every request's future, the embedded backend's included,
+/// would be as large as the largest of theirs, and hyper copies it as each request starts;
+/// a box costs them one allocation beside a network round trip.
 macro_rules! each_await {
     ($engine:expr, $b:ident => $call:expr) => {
         match $engine {
