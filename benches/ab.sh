@@ -9,7 +9,8 @@
 #
 # SECONDS_PER_RUN (default 10), CLIENTS (64), HEARTBEAT_SESSIONS (100000) and MASS_SESSIONS
 # (100000) size the runs; WORKLOADS (default "lock-churn session-churn heartbeat mass-expiry")
-# picks them. PIN=1 puts the server on core 0 and the driver on core 1. Each line carries the
+# picks them. LOG_LEVEL (default warn; the shipped default is info) is the servers' log level.
+# PIN=1 puts the server on core 0 and the driver on core 1. Each line carries the
 # server's CPU per operation (`server_cpu_us_per_op`; for mass-expiry, per dying session from
 # the first deadline to all free) and the driver's. Not part of CI: a full run takes several
 # minutes.
@@ -23,6 +24,7 @@ clients="${CLIENTS:-64}"
 hb_sessions="${HEARTBEAT_SESSIONS:-100000}"
 mass_sessions="${MASS_SESSIONS:-100000}"
 workloads="${WORKLOADS:-lock-churn session-churn heartbeat mass-expiry}"
+log_level="${LOG_LEVEL:-warn}"
 server_cpu=""
 driver_cpu=""
 if [ "${PIN:-0}" = 1 ]; then
@@ -36,7 +38,7 @@ trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"' EXIT
 
 start() {
     rm -rf "$work/data"
-    $server_cpu "$1" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level warn \
+    $server_cpu "$1" serve --data-dir "$work/data" --listen "127.0.0.1:$port" --log-level "$log_level" \
         >"$work/server.log" 2>&1 &
     pid=$!
     wait_ready "$port" "$pid" "$work/server.log"

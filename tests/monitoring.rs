@@ -383,6 +383,79 @@ fn text_logs_at_info_leave_requests_out() {
     assert!(log.lines().all(|l| !l.starts_with('{')), "{log}");
 }
 
+/// What the reaper ends is logged as one `reaped expired sessions` line per batch, not a line
+/// per session: a storm of expiries at the default level writes a few lines, and they add up
+/// to every session and lock it ended. A close still has its own line.
+#[test]
+fn the_reaper_logs_a_line_per_batch_not_per_session() {
+    const SESSIONS: usize = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        dir.path(),
+        &dir.path().join("log"),
+        None,
+        &[
+            "--log-format",
+            "json",
+            "--log-level",
+            "info",
+            "--min-ttl-ms",
+            "500",
+        ],
+    );
+    for i in 0..SESSIONS {
+        let opened = server.ok(
+            "POST",
+            "/v1/sessions",
+            Some(r#"{"owner":"storm","ttl_ms":500}"#),
+        );
+        let sid = opened["session_id"].as_str().unwrap();
+        let body = format!(r#"{{"session_id":"{sid}"}}"#);
+        server.ok("POST", &format!("/v1/locks/storm-{i}/acquire"), Some(&body));
+    }
+    let closed = session_with_a_lock(&server);
+    // Nothing touches the lapsing sessions after their acquire, so only the reaper ends them.
+    let expired = format!(r#"leasehold_sessions_ended_total{{reason="expired"}} {SESSIONS}"#);
+    let deadline = Instant::now() + READY_TIMEOUT;
+    while !server.metrics().contains(&expired) {
+        assert!(
+            Instant::now() < deadline,
+            "not all expired:\n{}",
+            server.metrics()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status}\n{log}");
+
+    let (mut sessions, mut locks, mut lines) = (0, 0, 0);
+    let mut ended = Vec::new();
+    for line in log.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        let fields = &v["fields"];
+        match fields["message"].as_str() {
+            Some("reaped expired sessions") => {
+                assert_eq!(v["level"], "INFO", "{line}");
+                sessions += fields["sessions"].as_u64().unwrap();
+                locks += fields["locks"].as_u64().unwrap();
+                lines += 1;
+            }
+            Some("session ended") => ended.push(fields.clone()),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        (sessions, locks),
+        (SESSIONS as u64, SESSIONS as u64),
+        "{log}"
+    );
+    assert!(lines < SESSIONS, "a line per session:\n{log}");
+    assert_eq!(ended.len(), 1, "{log}");
+    assert_eq!(ended[0]["reason"], "closed");
+    assert_eq!(ended[0]["session"], &closed[..8]);
+}
+
 /// `serve` turns transparent huge pages off for its own process (their first-touch zeroing
 /// stalled the writer during expiry storms), and the test process that started it, like any
 /// other, keeps the system's setting.

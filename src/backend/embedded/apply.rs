@@ -355,7 +355,7 @@ impl Writer {
             }
         }
         for e in &ended {
-            self.tally.ended(e);
+            self.tally.reaped(e);
         }
         ReapOutcome {
             sessions: ended.len(),

@@ -68,20 +68,13 @@ pub fn spawn(shared: Arc<Shared>, writer: Sender<Command>) -> std::io::Result<Re
                     return;
                 }
                 match rx.blocking_recv() {
-                    Ok(Ok(outcome)) => {
-                        let m = &shared.metrics;
-                        m.reaper_pass_seconds
+                    // What the pass ended is logged by the writer, with the storm's
+                    // passes that follow it; here it is only timed.
+                    Ok(Ok(_)) => {
+                        shared
+                            .metrics
+                            .reaper_pass_seconds
                             .observe(last_pass.elapsed().as_secs_f64());
-                        // One line per pass that ended someone (each session has its own
-                        // line too); passes that found nothing due are only counted.
-                        if outcome.sessions > 0 {
-                            tracing::info!(
-                                sessions = outcome.sessions,
-                                locks = outcome.locks,
-                                pass_ms = last_pass.elapsed().as_millis() as u64,
-                                "reaped expired sessions"
-                            );
-                        }
                     }
                     // The store failed or the writer stopped: nothing more to do.
                     Ok(Err(_)) | Err(_) => {

@@ -48,24 +48,45 @@ pub struct Tally {
     pub jobs_failed: Vec<String>,
     touched_pools: BTreeSet<PoolName>,
     touched_queues: BTreeSet<QueueName>,
-    /// One per session ended in the batch; logged after the replies, off the state lock.
+    /// One per session ended in the batch other than by a reaper pass; logged after the
+    /// replies, off the state lock.
     pub ends: Vec<EndLine>,
+    /// What the batch's reaper passes ended: one line for all of them, not one a session,
+    /// so that a storm's hundred thousand ends do not write as many lines.
+    pub reaped: Reaped,
     /// True once any session ended in the batch (whatever the log level).
     pub any_end: bool,
 }
 
+/// What the reaper passes of one batch ended, logged once it has committed.
+#[derive(Default)]
+pub struct Reaped {
+    sessions: usize,
+    locks: usize,
+    seats: usize,
+    jobs: usize,
+}
+
+impl Reaped {
+    pub fn log(&self) {
+        if self.sessions > 0 {
+            tracing::info!(
+                sessions = self.sessions,
+                locks = self.locks,
+                seats = self.seats,
+                jobs = self.jobs,
+                "reaped expired sessions"
+            );
+        }
+    }
+}
+
 impl Tally {
-    /// A session ended, with everything it released.
+    /// A session ended, with everything it released, by a close, an operator or a call that
+    /// found it past its deadline: counted, and logged on a line of its own.
     pub fn ended(&mut self, e: &Ended) {
-        let i = match e.reason {
-            EndReason::Closed => 0,
-            EndReason::Expired => 1,
-            EndReason::Admin => 2,
-        };
-        self.ended[i] += 1;
-        self.any_end = true;
-        // Lines that the log level would drop are not collected: a storm's hundred thousand
-        // ends would otherwise be kept only to be thrown away.
+        self.count(e);
+        // Lines that the log level would drop are not collected.
         if tracing::enabled!(tracing::Level::INFO) {
             self.ends.push(EndLine {
                 session: e.id,
@@ -75,6 +96,26 @@ impl Tally {
                 jobs: e.jobs.len(),
             });
         }
+    }
+
+    /// A session a reaper pass ended: counted, and logged in the batch's one line.
+    pub fn reaped(&mut self, e: &Ended) {
+        self.count(e);
+        let r = &mut self.reaped;
+        r.sessions += 1;
+        r.locks += e.released.len();
+        r.seats += e.seats.len();
+        r.jobs += e.jobs.len();
+    }
+
+    fn count(&mut self, e: &Ended) {
+        let i = match e.reason {
+            EndReason::Closed => 0,
+            EndReason::Expired => 1,
+            EndReason::Admin => 2,
+        };
+        self.ended[i] += 1;
+        self.any_end = true;
         if e.reason == EndReason::Expired {
             self.released_by_expiry += e.released.len() as u64;
         }

@@ -18,7 +18,7 @@ use super::commands::{Command, Pending, refuse};
 use super::requests::Requests;
 use super::shared::Shared;
 use super::store::{Batch, Ended};
-use super::tallies::Tally;
+use super::tallies::{Reaped, Tally};
 use crate::backend::BackendError;
 use crate::backend::pacing::{PassCost, PassSizer};
 use crate::domain::{At, Effects, UnixMs};
@@ -241,10 +241,12 @@ impl Writer {
         self.paced = None;
         // A failed batch ended nobody durably: its lines are dropped with its tally.
         let mut ends = Vec::new();
+        let mut reaped = Reaped::default();
         let mut ended = false;
         if !failed {
             let mut tally = std::mem::take(&mut self.tally);
             ends = std::mem::take(&mut tally.ends);
+            reaped = std::mem::take(&mut tally.reaped);
             ended = tally.any_end;
             tally.publish(&shared.metrics, &shared.state.lock());
         }
@@ -255,6 +257,7 @@ impl Writer {
         for line in &ends {
             line.log();
         }
+        reaped.log();
         // After the commit, so that whoever wakes reads the ends in the log.
         if ended {
             shared.ends.notify_one();
