@@ -456,6 +456,55 @@ fn the_reaper_logs_a_line_per_batch_not_per_session() {
     assert_eq!(ended[0]["session"], &closed[..8]);
 }
 
+/// The shared backends log a close as the embedded one does: one `session ended` line, with
+/// the id's first eight hex digits only.
+#[test]
+fn a_close_on_a_shared_backend_has_its_line() {
+    let shared: [&[&str]; 2] = [
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            "redis://127.0.0.1:6379/0",
+            "--redis-allow-volatile",
+            "true",
+        ],
+        &[
+            "--backend",
+            "postgres",
+            "--postgres-url",
+            "postgres://postgres@127.0.0.1:5432/test",
+        ],
+    ];
+    for backend in shared {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec![
+            "--log-format",
+            "json",
+            "--log-level",
+            "info",
+            "--namespace",
+            "monitoring_log",
+        ];
+        args.extend_from_slice(backend);
+        let server = Server::start(dir.path(), &dir.path().join("log"), None, &args);
+        let sid = session_with_a_lock(&server);
+        let (status, log) = server.stop();
+        assert!(status.success(), "{backend:?}: {status}\n{log}");
+        assert!(!log.contains(&sid), "{backend:?}: the whole id:\n{log}");
+        let ended: Vec<serde_json::Value> = log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["fields"]["message"] == "session ended")
+            .collect();
+        assert_eq!(ended.len(), 1, "{backend:?}:\n{log}");
+        let e = &ended[0]["fields"];
+        assert_eq!(e["reason"], "closed", "{backend:?}");
+        assert_eq!(e["locks"], 1, "{backend:?}");
+        assert_eq!(e["session"], &sid[..8], "{backend:?}");
+    }
+}
+
 /// `serve` turns transparent huge pages off for its own process (their first-touch zeroing
 /// stalled the writer during expiry storms), and the test process that started it, like any
 /// other, keeps the system's setting.

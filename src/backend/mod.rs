@@ -323,6 +323,21 @@ pub struct Closed {
     pub revision: u64,
 }
 
+impl Closed {
+    /// The `session ended` line of a shared backend, written once the end is durable: the
+    /// id's first eight hex digits only, as every log line gives it.
+    pub fn log(&self, id: SessionId, reason: EndReason) {
+        tracing::info!(
+            session = %id.log_prefix(),
+            reason = reason.as_str(),
+            locks = self.released,
+            seats = self.seats,
+            jobs = self.jobs,
+            "session ended"
+        );
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Granted {
     pub token: Token,

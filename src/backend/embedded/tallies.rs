@@ -3,31 +3,22 @@
 
 use std::collections::BTreeSet;
 
+use crate::backend::Closed;
 use crate::domain::{Change, EndReason, Ended, JobOutcome, PoolName, QueueName, SessionId, State};
 use crate::metrics::{Metrics, ReasonLabel};
 
 /// The log line of one ended session, written once its batch has committed.
 pub struct EndLine {
-    /// Logged as its first eight hex digits, never the whole id: the id is a capability, and
-    /// 32 of its 122 random bits are enough to find it in the audit log and too few to act
-    /// with. Kept as the id, so a storm's lines cost no text until they are written.
+    /// Kept as the id, so a storm's lines cost no text until they are written; logged as
+    /// its first eight hex digits, never the whole id (a capability).
     session: SessionId,
     reason: EndReason,
-    locks: usize,
-    seats: usize,
-    jobs: usize,
+    closed: Closed,
 }
 
 impl EndLine {
     pub fn log(&self) {
-        tracing::info!(
-            session = %self.session.log_prefix(),
-            reason = self.reason.as_str(),
-            locks = self.locks,
-            seats = self.seats,
-            jobs = self.jobs,
-            "session ended"
-        );
+        self.closed.log(self.session, self.reason);
     }
 }
 
@@ -91,9 +82,12 @@ impl Tally {
             self.ends.push(EndLine {
                 session: e.id,
                 reason: e.reason,
-                locks: e.released.len(),
-                seats: e.seats.len(),
-                jobs: e.jobs.len(),
+                closed: Closed {
+                    released: e.released.len(),
+                    seats: e.seats.len(),
+                    jobs: e.jobs.len(),
+                    revision: e.revision,
+                },
             });
         }
     }

@@ -505,15 +505,8 @@ impl Postgres {
     /// Ends `id` if it is past its deadline.
     pub(crate) async fn end_if_expired(&self, id: SessionId) -> Result<()> {
         let ended = self.end_alone(&END_EXPIRED_ONE, &[&id.0]).await?;
-        if ended.sessions() > 0 {
-            tracing::info!(
-                session = %id.log_prefix(),
-                reason = EndReason::Expired.as_str(),
-                locks = ended.locks,
-                seats = ended.seats,
-                jobs = ended.recovered + ended.failed.len(),
-                "session ended"
-            );
+        if let Some(c) = ended.closed() {
+            c.log(id, EndReason::Expired);
         }
         Ok(())
     }
@@ -524,14 +517,7 @@ impl Postgres {
             .await?;
         let closed = ended.closed();
         if let Some(c) = &closed {
-            tracing::info!(
-                session = %id.log_prefix(),
-                reason = reason.as_str(),
-                locks = c.released,
-                seats = c.seats,
-                jobs = c.jobs,
-                "session ended"
-            );
+            c.log(id, reason);
         }
         Ok(closed)
     }

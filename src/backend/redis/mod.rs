@@ -1222,7 +1222,11 @@ impl Backend for Redis {
         let b: Base = self.call("end", args![id.0, reason.as_str()]).await?;
         let e = b.ended.unwrap_or_default();
         self.after(Some(&e), &[]);
-        Ok(e.closed())
+        let closed = e.closed();
+        if let Some(c) = &closed {
+            c.log(id, reason);
+        }
+        Ok(closed)
     }
 
     async fn session(&self, id: SessionId) -> Result<Option<SessionInfo>> {
