@@ -324,8 +324,9 @@ pub struct Closed {
 }
 
 impl Closed {
-    /// The `session ended` line of a shared backend, written once the end is durable: the
-    /// id's first eight hex digits only, as every log line gives it.
+    /// The `session ended` line, written once the end is durable. The id is logged as its
+    /// first eight hex digits, never whole: it is a capability, and 32 of its 122 random
+    /// bits are enough to find it in the audit log and far too few to act with.
     pub fn log(&self, id: SessionId, reason: EndReason) {
         tracing::info!(
             session = %id.log_prefix(),
