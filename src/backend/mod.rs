@@ -353,6 +353,31 @@ pub struct ReapOutcome {
     pub jobs: usize,
 }
 
+impl std::ops::AddAssign for ReapOutcome {
+    fn add_assign(&mut self, pass: ReapOutcome) {
+        self.sessions += pass.sessions;
+        self.locks += pass.locks;
+        self.seats += pass.seats;
+        self.jobs += pass.jobs;
+    }
+}
+
+impl ReapOutcome {
+    /// The `reaped expired sessions` line, when anyone was ended: what the reaper ended has
+    /// no line a session, so that a storm does not write as many lines as it ends.
+    pub fn log(&self) {
+        if self.sessions > 0 {
+            tracing::info!(
+                sessions = self.sessions,
+                locks = self.locks,
+                seats = self.seats,
+                jobs = self.jobs,
+                "reaped expired sessions"
+            );
+        }
+    }
+}
+
 /// A claimed job, as the claimant is told.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claimed {

@@ -354,15 +354,14 @@ impl Writer {
                 m.reaper_batch_size.observe(ended.len() as f64);
             }
         }
-        for e in &ended {
-            self.tally.reaped(e);
-        }
-        ReapOutcome {
+        let outcome = ReapOutcome {
             sessions: ended.len(),
             locks: ended.iter().map(|e| e.released.len()).sum(),
             seats: ended.iter().map(|e| e.seats.len()).sum(),
             jobs: ended.iter().map(|e| e.jobs.len()).sum(),
-        }
+        };
+        self.tally.reaped(&ended, outcome);
+        outcome
     }
 
     /// For a call with a request id: answers a retry from its record, or refuses an id

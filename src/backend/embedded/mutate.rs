@@ -257,10 +257,7 @@ impl Embedded {
                     reply,
                 })
                 .await?;
-            total.sessions += pass.sessions;
-            total.locks += pass.locks;
-            total.seats += pass.seats;
-            total.jobs += pass.jobs;
+            total += pass;
             if pass.sessions < limit {
                 return Ok(total);
             }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::backend::Closed;
+use crate::backend::{Closed, ReapOutcome};
 use crate::domain::{Change, EndReason, Ended, JobOutcome, PoolName, QueueName, SessionId, State};
 use crate::metrics::{Metrics, ReasonLabel};
 
@@ -42,34 +42,10 @@ pub struct Tally {
     /// One per session ended in the batch other than by a reaper pass; logged after the
     /// replies, off the state lock.
     pub ends: Vec<EndLine>,
-    /// What the batch's reaper passes ended: one line for all of them, not one a session,
-    /// so that a storm's hundred thousand ends do not write as many lines.
-    pub reaped: Reaped,
+    /// What the batch's reaper passes ended, logged as one line for all of them.
+    pub reaped: ReapOutcome,
     /// True once any session ended in the batch (whatever the log level).
     pub any_end: bool,
-}
-
-/// What the reaper passes of one batch ended, logged once it has committed.
-#[derive(Default)]
-pub struct Reaped {
-    sessions: usize,
-    locks: usize,
-    seats: usize,
-    jobs: usize,
-}
-
-impl Reaped {
-    pub fn log(&self) {
-        if self.sessions > 0 {
-            tracing::info!(
-                sessions = self.sessions,
-                locks = self.locks,
-                seats = self.seats,
-                jobs = self.jobs,
-                "reaped expired sessions"
-            );
-        }
-    }
 }
 
 impl Tally {
@@ -92,14 +68,13 @@ impl Tally {
         }
     }
 
-    /// A session a reaper pass ended: counted, and logged in the batch's one line.
-    pub fn reaped(&mut self, e: &Ended) {
-        self.count(e);
-        let r = &mut self.reaped;
-        r.sessions += 1;
-        r.locks += e.released.len();
-        r.seats += e.seats.len();
-        r.jobs += e.jobs.len();
+    /// The sessions a reaper pass ended and what it released: counted, and logged in the
+    /// batch's one line.
+    pub fn reaped(&mut self, ended: &[Ended], pass: ReapOutcome) {
+        for e in ended {
+            self.count(e);
+        }
+        self.reaped += pass;
     }
 
     fn count(&mut self, e: &Ended) {

@@ -18,9 +18,9 @@ use super::commands::{Command, Pending, refuse};
 use super::requests::Requests;
 use super::shared::Shared;
 use super::store::{Batch, Ended};
-use super::tallies::{Reaped, Tally};
-use crate::backend::BackendError;
+use super::tallies::Tally;
 use crate::backend::pacing::{PassCost, PassSizer};
+use crate::backend::{BackendError, ReapOutcome};
 use crate::domain::{At, Effects, UnixMs};
 
 /// A paced pass in the batch being built: what it ended and what that cost before the
@@ -241,12 +241,12 @@ impl Writer {
         self.paced = None;
         // A failed batch ended nobody durably: its lines are dropped with its tally.
         let mut ends = Vec::new();
-        let mut reaped = Reaped::default();
+        let mut reaped = ReapOutcome::default();
         let mut ended = false;
         if !failed {
             let mut tally = std::mem::take(&mut self.tally);
             ends = std::mem::take(&mut tally.ends);
-            reaped = std::mem::take(&mut tally.reaped);
+            reaped = tally.reaped;
             ended = tally.any_end;
             tally.publish(&shared.metrics, &shared.state.lock());
         }

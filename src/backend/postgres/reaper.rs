@@ -165,10 +165,7 @@ impl Postgres {
                 .pass(true, self.config().reaper_batch)
                 .await?
                 .unwrap_or_default();
-            total.sessions += pass.sessions;
-            total.locks += pass.locks;
-            total.seats += pass.seats;
-            total.jobs += pass.jobs;
+            total += pass;
             if pass.sessions < self.config().reaper_batch.max(1) {
                 break;
             }

@@ -1855,10 +1855,7 @@ impl Backend for Redis {
         loop {
             // Scripts run one at a time, so a pass needs no lock against another node's.
             let pass = self.pass(batch, None).await?.unwrap_or_default().0;
-            total.sessions += pass.sessions;
-            total.locks += pass.locks;
-            total.seats += pass.seats;
-            total.jobs += pass.jobs;
+            total += pass;
             if pass.sessions < batch {
                 break;
             }
