@@ -128,13 +128,18 @@ impl Server {
         text
     }
 
-    /// SIGTERM, then the exit status (bounded wait).
-    fn stop(mut self) -> (ExitStatus, String) {
+    /// Sends the server a signal (`kill`'s spelling, such as `-STOP`).
+    fn signal(&self, signal: &str) {
         let ok = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([signal, &self.child.id().to_string()])
             .status()
             .unwrap();
-        assert!(ok.success());
+        assert!(ok.success(), "kill {signal}");
+    }
+
+    /// SIGTERM, then the exit status (bounded wait).
+    fn stop(mut self) -> (ExitStatus, String) {
+        self.signal("-TERM");
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -389,31 +394,32 @@ fn text_logs_at_info_leave_requests_out() {
 #[test]
 fn the_reaper_logs_a_line_per_batch_not_per_session() {
     const SESSIONS: usize = 40;
+    /// Far longer than opening the sessions takes, so that none lapses before the pause.
+    const TTL_MS: u64 = 2_000;
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(
         dir.path(),
         &dir.path().join("log"),
         None,
-        &[
-            "--log-format",
-            "json",
-            "--log-level",
-            "info",
-            "--min-ttl-ms",
-            "500",
-        ],
+        &["--log-format", "json", "--log-level", "info"],
     );
     for i in 0..SESSIONS {
         let opened = server.ok(
             "POST",
             "/v1/sessions",
-            Some(r#"{"owner":"storm","ttl_ms":500}"#),
+            Some(&format!(r#"{{"owner":"storm","ttl_ms":{TTL_MS}}}"#)),
         );
         let sid = opened["session_id"].as_str().unwrap();
         let body = format!(r#"{{"session_id":"{sid}"}}"#);
         server.ok("POST", &format!("/v1/locks/storm-{i}/acquire"), Some(&body));
     }
     let closed = session_with_a_lock(&server);
+    // Opened one after another, the sessions' deadlines are spread over the time that took,
+    // and a reaper woken by each could end them one a pass. The server is paused past every
+    // deadline instead, so that they are all due together when it resumes, as in a storm.
+    server.signal("-STOP");
+    std::thread::sleep(Duration::from_millis(TTL_MS + 300));
+    server.signal("-CONT");
     // Nothing touches the lapsing sessions after their acquire, so only the reaper ends them.
     let expired = format!(r#"leasehold_sessions_ended_total{{reason="expired"}} {SESSIONS}"#);
     let deadline = Instant::now() + READY_TIMEOUT;
