@@ -34,6 +34,8 @@
 //!   cap and a graceful drain.
 //! - [`app`]: wiring of backend, engine, router and server; [`cli`]: the command line;
 //!   [`config`]: settings validated at start-up; [`clock`]: the only place that reads time;
+//!   [`logging`]: log lines written to stderr by a thread of their own, never blocking the
+//!   one that logged;
 //!   [`metrics`]: every metric in one place; [`client`]: the Rust client (the plain HTTP
 //!   client, and sessions with a background heartbeat, a local deadline and guards), which
 //!   uses none of the server's code; [`loadgen`]: the load generator behind `leasehold bench`.
@@ -49,6 +51,7 @@ pub mod config;
 pub mod domain;
 pub mod engine;
 pub mod loadgen;
+pub mod logging;
 pub mod metrics;
 pub mod server;
 pub mod tls;

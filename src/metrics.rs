@@ -135,6 +135,8 @@ pub struct Metrics {
     pub locks_released_by_expiry: Counter,
     pub heartbeats: Counter,
     pub events_trimmed: Counter,
+    /// Log lines dropped because the queue to stderr was full; read at each scrape.
+    log_lines_dropped: Counter,
     pub reaper_pass_seconds: Histogram,
     pub reaper_batch_size: Histogram,
     pub commit_seconds: Histogram,
@@ -215,6 +217,7 @@ impl Metrics {
             locks_released_by_expiry: Counter::default(),
             heartbeats: Counter::default(),
             events_trimmed: Counter::default(),
+            log_lines_dropped: Counter::default(),
             reaper_pass_seconds: Histogram::new(latency_buckets()),
             reaper_batch_size: Histogram::new(size_buckets()),
             commit_seconds: Histogram::new(latency_buckets()),
@@ -295,6 +298,11 @@ impl Metrics {
             "events_trimmed",
             "Audit events removed by the retention setting",
             m.events_trimmed.clone(),
+        );
+        registry.register(
+            "log_lines_dropped",
+            "Log lines dropped because stderr was not taking them",
+            m.log_lines_dropped.clone(),
         );
         registry.register(
             "reaper_pass_seconds",
@@ -443,6 +451,12 @@ impl Metrics {
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
+        // The log thread counts its drops; `fetch_max` keeps the counter monotonic whatever
+        // the order concurrent scrapes read it in.
+        self.log_lines_dropped.inner().fetch_max(
+            crate::logging::dropped_lines(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");

@@ -27,12 +27,50 @@ impl Server {
     /// Starts `leasehold serve` on a free port with `extra` flags, stderr into `log`, and
     /// `NOTIFY_SOCKET` pointing at `notify` when given; waits (bounded) for /readyz.
     fn start(dir: &Path, log: &Path, notify: Option<&Path>, extra: &[&str]) -> Server {
+        let stderr = || Stdio::from(std::fs::File::create(log).unwrap());
+        let early_log = || std::fs::read_to_string(log).unwrap_or_default();
+        let mut server = Server::launch(dir, stderr, early_log, notify, extra);
+        server.log = log.to_path_buf();
+        server
+    }
+
+    /// As [`Server::start`] without a notify socket, with stderr a pipe: the server writes
+    /// into it, the test reads the other end (or does not) through the returned reader.
+    fn start_piped(dir: &Path, extra: &[&str]) -> (Server, std::io::PipeReader) {
+        let reader = std::cell::RefCell::new(None);
+        let stderr = || {
+            let (r, w) = std::io::pipe().unwrap();
+            *reader.borrow_mut() = Some(r);
+            Stdio::from(w)
+        };
+        let early_log = || {
+            let mut text = String::new();
+            let _ = reader
+                .borrow_mut()
+                .as_mut()
+                .unwrap()
+                .read_to_string(&mut text);
+            text
+        };
+        let server = Server::launch(dir, stderr, early_log, None, extra);
+        let reader = reader.into_inner().unwrap();
+        (server, reader)
+    }
+
+    /// Spawns the server with `stderr()` until it gets a free port; `early_log()` is what it
+    /// wrote if it exited before answering /readyz.
+    fn launch(
+        dir: &Path,
+        stderr: impl Fn() -> Stdio,
+        early_log: impl Fn() -> String,
+        notify: Option<&Path>,
+        extra: &[&str],
+    ) -> Server {
         for _ in 0..20 {
             let port = {
                 let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
                 l.local_addr().unwrap().port()
             };
-            let stderr = std::fs::File::create(log).unwrap();
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
             cmd.arg("serve")
                 .arg("--listen")
@@ -43,7 +81,7 @@ impl Server {
                 .args(extra)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
-                .stderr(stderr)
+                .stderr(stderr())
                 .env_remove("NOTIFY_SOCKET");
             for (name, _) in std::env::vars_os() {
                 if name.to_string_lossy().starts_with("LEASEHOLD_") {
@@ -53,16 +91,19 @@ impl Server {
             if let Some(path) = notify {
                 cmd.env("NOTIFY_SOCKET", path);
             }
+            // `cmd` holds the parent's copy of a pipe's write end: dropped with it below, so
+            // that the reader sees the end of the stream when the server exits.
             let child = cmd.spawn().expect("spawn leasehold serve");
+            drop(cmd);
             let mut server = Server {
                 child,
                 port,
-                log: log.to_path_buf(),
+                log: PathBuf::new(),
             };
             let deadline = Instant::now() + READY_TIMEOUT;
             loop {
                 if let Some(status) = server.child.try_wait().unwrap() {
-                    let text = std::fs::read_to_string(log).unwrap_or_default();
+                    let text = early_log();
                     if text.contains("cannot listen") {
                         break;
                     }
@@ -137,14 +178,20 @@ impl Server {
         assert!(ok.success(), "kill {signal}");
     }
 
+    /// SIGTERM, then the exit status (bounded wait) and the log file.
+    fn stop(self) -> (ExitStatus, String) {
+        let log = self.log.clone();
+        let status = self.terminate();
+        (status, std::fs::read_to_string(log).unwrap())
+    }
+
     /// SIGTERM, then the exit status (bounded wait).
-    fn stop(mut self) -> (ExitStatus, String) {
+    fn terminate(mut self) -> ExitStatus {
         self.signal("-TERM");
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                let log = std::fs::read_to_string(&self.log).unwrap();
-                return (status, log);
+                return status;
             }
             assert!(Instant::now() < deadline, "no exit after SIGTERM");
             std::thread::sleep(Duration::from_millis(20));
@@ -460,6 +507,42 @@ fn the_reaper_logs_a_line_per_batch_not_per_session() {
     assert_eq!(ended.len(), 1, "{log}");
     assert_eq!(ended[0]["reason"], "closed");
     assert_eq!(ended[0]["session"], &closed[..8]);
+}
+
+/// A reader that stops taking the server's stderr (a stalled journal, a full pipe) holds up
+/// no request: the lines wait in the log thread's queue instead of blocking the store writer
+/// that logs each close, and once the reader is back every one of them arrives.
+#[test]
+fn a_stderr_nobody_reads_holds_up_no_request() {
+    // A `session ended` line is about 200 bytes: the lines fill a pipe's 64 KiB several times.
+    const CLOSES: usize = 1_500;
+    let dir = tempfile::tempdir().unwrap();
+    let (server, mut reader) =
+        Server::start_piped(dir.path(), &["--log-format", "json", "--log-level", "info"]);
+    for _ in 0..CLOSES {
+        let opened = server.ok("POST", "/v1/sessions", Some(r#"{"owner":"unread"}"#));
+        let sid = opened["session_id"].as_str().unwrap();
+        // Each request has a 10 s read timeout: a writer blocked on stderr fails it here.
+        server.ok("DELETE", &format!("/v1/sessions/{sid}"), None);
+    }
+    let metrics = server.metrics();
+    assert!(
+        metrics.contains("leasehold_log_lines_dropped_total 0\n"),
+        "{metrics}"
+    );
+    let drain = std::thread::spawn(move || {
+        let mut text = String::new();
+        reader.read_to_string(&mut text).unwrap();
+        text
+    });
+    let status = server.terminate();
+    let log = drain.join().unwrap();
+    assert!(status.success(), "{status}\n{log}");
+    let ended = log
+        .lines()
+        .filter(|l| l.contains(r#""message":"session ended""#))
+        .count();
+    assert_eq!(ended, CLOSES, "{log}");
 }
 
 /// The shared backends log a close as the embedded one does: one `session ended` line, with

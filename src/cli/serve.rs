@@ -4,12 +4,10 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use tracing_subscriber::EnvFilter;
-
 use super::ServeArgs;
 use crate::app::App;
 use crate::clock::SystemClock;
-use crate::config::{Config, LogFormat};
+use crate::config::Config;
 
 /// Turns transparent huge pages off for this process (Linux; a no-op elsewhere).
 ///
@@ -56,7 +54,9 @@ pub fn run(args: ServeArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    init_logging(&config);
+    // Held to the end of `run`, after the runtime is dropped: its drop writes out the
+    // lines still queued, the last ones included.
+    let _log = crate::logging::init(&config);
     no_transparent_huge_pages();
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -119,19 +119,6 @@ pub fn run(args: ServeArgs) -> ExitCode {
         tracing::info!("stopped");
         ExitCode::SUCCESS
     })
-}
-
-fn init_logging(config: &Config) {
-    let filter = EnvFilter::try_from_env("LEASEHOLD_LOG")
-        .unwrap_or_else(|_| EnvFilter::new(&config.log_level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match config.log_format {
-        LogFormat::Json => builder.json().init(),
-        // No colours: under systemd the journal would store the escape codes.
-        LogFormat::Text => builder.with_ansi(false).init(),
-    }
 }
 
 /// SIGHUP reloads the tokens file and the TLS certificate; connections and requests in
