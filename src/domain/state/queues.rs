@@ -27,7 +27,7 @@ impl State {
                 .restore(id, record)
                 .map_err(|bad| RestoreError::BadQueue(id, bad.0))?;
             if let Some((session, token)) = claim {
-                self.check_token(format!("job {id}"), token)?;
+                self.check_token(|| format!("job {id}"), token)?;
                 let Some(s) = self.sessions.get_mut(&session) else {
                     return Err(RestoreError::Orphan {
                         what: format!("job {id}"),

@@ -20,7 +20,7 @@ impl State {
             self.pools.put(&name, capacity);
         }
         for (name, session, token, acquired_at) in seats {
-            self.check_token(format!("seat in pool {name:?}"), token)?;
+            self.check_token(|| format!("seat in pool {name:?}"), token)?;
             let Some(s) = self.sessions.get_mut(&session) else {
                 return Err(RestoreError::Orphan {
                     what: format!("seat in pool {name:?}"),

@@ -443,6 +443,21 @@ fn restore_gives_every_session_a_fresh_ttl_and_rejects_orphans() {
     assert_eq!(state.revision(), 9);
     state.check_invariants().unwrap();
 
+    // The expiry index, built in one go from the sorted deadlines, orders them by deadline
+    // whatever the order the sessions were read in.
+    let ids: Vec<SessionId> = (0..3).map(|_| SessionId::random()).collect();
+    let state = State::restore(
+        Limits::default(),
+        Restore {
+            sessions: vec![(ids[0], 3_000), (ids[1], 1_000), (ids[2], 2_000)],
+            ..Restore::default()
+        },
+        Mono(0),
+    )
+    .unwrap();
+    state.check_invariants().unwrap();
+    assert_eq!(state.earliest_deadline(), Some(Mono(1_000)));
+
     let orphan = State::restore(
         Limits::default(),
         Restore {
