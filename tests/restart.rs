@@ -409,6 +409,19 @@ async fn check_accepts_the_data_directory_after_a_shutdown() {
     assert!(out.contains("locks: 3\n"), "{out}");
     // 3 opens, 5 acquires, 1 release, 1 close.
     assert!(out.contains("events: 10\n"), "{out}");
+    // Where the file's space goes: a line a table with rows, its row count first.
+    let rows_of = |table: &str| {
+        out.lines()
+            .find_map(|l| {
+                let mut words = l.split_whitespace();
+                (words.next() == Some(table)).then(|| words.next().unwrap().to_string())
+            })
+            .unwrap_or_else(|| panic!("no space line for {table}:\n{out}"))
+    };
+    assert_eq!(rows_of("locks"), "3", "{out}");
+    assert_eq!(rows_of("events"), "10", "{out}");
+    assert_eq!(rows_of("session_rows"), "2", "{out}");
+    assert!(out.contains("\nfile: "), "{out}");
 
     // The check does say no when there is nothing to check.
     let empty = tempfile::tempdir().unwrap();

@@ -465,4 +465,19 @@ pub struct CheckReport {
     pub revision: u64,
     /// Every broken invariant, in words; empty when all hold.
     pub problems: Vec<String>,
+    /// Where the embedded data file's space goes, a table a row, largest first; empty for
+    /// the shared backends (their databases account for their own space).
+    pub space: Vec<TableSpace>,
+}
+
+/// One table of the embedded data file as redb accounts for it: its pages hold what is
+/// stored, the B-tree's own metadata, and free space (leaves split half full).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableSpace {
+    pub table: String,
+    pub rows: u64,
+    /// Every page of the table, in bytes: `stored + metadata + free`.
+    pub bytes: u64,
+    pub stored: u64,
+    pub free: u64,
 }

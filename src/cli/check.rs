@@ -25,7 +25,10 @@ pub fn run(data_dir: &Path) -> ExitCode {
         }
     };
     match store.check() {
-        Ok(report) => print(&report),
+        Ok(report) => {
+            let file = std::fs::metadata(data_dir.join(DATA_FILE)).map(|m| m.len());
+            print(&report, file.ok())
+        }
         Err(e) => {
             eprintln!("leasehold check: {e}");
             ExitCode::FAILURE
@@ -33,11 +36,34 @@ pub fn run(data_dir: &Path) -> ExitCode {
     }
 }
 
-fn print(report: &CheckReport) -> ExitCode {
+/// The report; `file` is the embedded data file's size.
+fn print(report: &CheckReport, file: Option<u64>) -> ExitCode {
     println!(
         "sessions: {}\nlocks: {}\nevents: {}\nrevision: {}",
         report.sessions, report.locks, report.events, report.revision
     );
+    if !report.space.is_empty() {
+        println!("space (MiB): table, rows, pages, stored, free inside pages");
+        for t in report.space.iter().filter(|t| t.rows > 0 || t.bytes > 0) {
+            println!(
+                "  {:<18} {:>10} {:>9.1} {:>9.1} {:>9.1}",
+                t.table,
+                t.rows,
+                mib(t.bytes),
+                mib(t.stored),
+                mib(t.free)
+            );
+        }
+    }
+    if let Some(len) = file {
+        let pages: u64 = report.space.iter().map(|t| t.bytes).sum();
+        println!(
+            "file: {:.1} MiB, {:.1} MiB of it tables' pages (the rest: free pages, and room \
+             the file grew by)",
+            mib(len),
+            mib(pages)
+        );
+    }
     if report.problems.is_empty() {
         println!("ok: every invariant holds");
         ExitCode::SUCCESS
@@ -48,6 +74,10 @@ fn print(report: &CheckReport) -> ExitCode {
         }
         ExitCode::FAILURE
     }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// Connects to PostgreSQL for a one-off command; exit code 2 and a message naming the URL
@@ -112,7 +142,7 @@ pub fn run_postgres(url: Option<&str>, namespace: &str) -> ExitCode {
         url,
         namespace,
         async |client| match postgres::check(client, namespace).await {
-            Ok(report) => print(&report),
+            Ok(report) => print(&report, None),
             Err(e) => {
                 eprintln!("leasehold check: {e}");
                 ExitCode::FAILURE
@@ -140,7 +170,7 @@ pub fn run_redis(url: Option<&str>, namespace: &str) -> ExitCode {
     };
     runtime.block_on(async {
         match crate::backend::redis::check(url, namespace).await {
-            Ok(report) => print(&report),
+            Ok(report) => print(&report, None),
             Err(e) => {
                 eprintln!("leasehold check: cannot check Redis at {e}");
                 ExitCode::from(2)

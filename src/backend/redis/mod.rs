@@ -1099,6 +1099,7 @@ fn report(text: &str) -> std::result::Result<CheckReport, serde_json::Error> {
         events: r.events,
         revision: r.revision,
         problems: r.problems,
+        space: Vec::new(),
     })
 }
 

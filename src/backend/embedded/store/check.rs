@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use redb::{ReadTransaction, ReadableTable};
+use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, TableHandle};
 
 use super::codec;
 use super::db::Store;
@@ -14,7 +14,7 @@ use super::tables::{
     META_SESSION_ROW, POOLS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS,
     SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, counter, row_of,
 };
-use crate::backend::CheckReport;
+use crate::backend::{CheckReport, TableSpace};
 use crate::domain::{JobId, JobRecord, JobStatus, LockRecord, SeatRecord, SessionId};
 
 impl Store {
@@ -187,8 +187,28 @@ impl Store {
                 problems.push(format!("event {seq} does not decode: {e}"));
             }
         }
+        report.space = space(&txn)?;
         Ok(report)
     }
+}
+
+/// Every table's pages, largest first.
+fn space(txn: &ReadTransaction) -> Result<Vec<TableSpace>, StoreError> {
+    let mut out = Vec::new();
+    for handle in txn.list_tables().map_err(StoreError::redb)? {
+        let table = handle.name().to_string();
+        let opened = txn.open_untyped_table(handle).map_err(StoreError::redb)?;
+        let stats = opened.stats().map_err(StoreError::redb)?;
+        out.push(TableSpace {
+            table,
+            rows: opened.len().map_err(StoreError::redb)?,
+            bytes: stats.stored_bytes() + stats.metadata_bytes() + stats.fragmented_bytes(),
+            stored: stats.stored_bytes(),
+            free: stats.fragmented_bytes(),
+        });
+    }
+    out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.table.cmp(&b.table)));
+    Ok(out)
 }
 
 /// Every seat's session and pool exist, its token is below the counter, and the session →
