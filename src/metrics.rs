@@ -135,8 +135,10 @@ pub struct Metrics {
     pub locks_released_by_expiry: Counter,
     pub heartbeats: Counter,
     pub events_trimmed: Counter,
-    /// Log lines dropped because the queue to stderr was full; read at each scrape.
+    /// Log lines dropped because the queue to stderr was full; read at each scrape from
+    /// `log_drops`, set by whoever set up the logging.
     log_lines_dropped: Counter,
+    log_drops: OnceLock<fn() -> u64>,
     pub reaper_pass_seconds: Histogram,
     pub reaper_batch_size: Histogram,
     pub commit_seconds: Histogram,
@@ -218,6 +220,7 @@ impl Metrics {
             heartbeats: Counter::default(),
             events_trimmed: Counter::default(),
             log_lines_dropped: Counter::default(),
+            log_drops: OnceLock::new(),
             reaper_pass_seconds: Histogram::new(latency_buckets()),
             reaper_batch_size: Histogram::new(size_buckets()),
             commit_seconds: Histogram::new(latency_buckets()),
@@ -449,14 +452,21 @@ impl Metrics {
         }
     }
 
+    /// Where `leasehold_log_lines_dropped_total` is read from at each scrape (the first
+    /// call wins; without one it stays 0).
+    pub fn count_log_drops_from(&self, read: fn() -> u64) {
+        let _ = self.log_drops.set(read);
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         // The log thread counts its drops; `fetch_max` keeps the counter monotonic whatever
         // the order concurrent scrapes read it in.
-        self.log_lines_dropped.inner().fetch_max(
-            crate::logging::dropped_lines(),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        if let Some(read) = self.log_drops.get() {
+            self.log_lines_dropped
+                .inner()
+                .fetch_max(read(), std::sync::atomic::Ordering::Relaxed);
+        }
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
@@ -521,5 +531,19 @@ mod tests {
             let line = format!("leasehold_jobs_failed_total{{reason=\"{reason}\"}} 0");
             assert!(text.contains(&line), "{line} missing:\n{text}");
         }
+    }
+
+    #[test]
+    fn dropped_log_lines_are_read_at_each_scrape_and_never_go_back() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static DROPPED: AtomicU64 = AtomicU64::new(0);
+        let m = Metrics::new();
+        assert!(m.render().contains("leasehold_log_lines_dropped_total 0\n"));
+        m.count_log_drops_from(|| DROPPED.load(Ordering::Relaxed));
+        DROPPED.store(7, Ordering::Relaxed);
+        assert!(m.render().contains("leasehold_log_lines_dropped_total 7\n"));
+        // A reading below the last one (a source reset) leaves the counter where it was.
+        DROPPED.store(3, Ordering::Relaxed);
+        assert!(m.render().contains("leasehold_log_lines_dropped_total 7\n"));
     }
 }

@@ -80,6 +80,9 @@ pub fn run(args: ServeArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        app.engine
+            .metrics()
+            .count_log_drops_from(crate::logging::dropped_lines);
         match config.backend {
             crate::config::BackendKind::Embedded => tracing::info!(
                 listen = %app.addr,
