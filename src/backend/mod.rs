@@ -323,6 +323,17 @@ pub struct Closed {
     pub revision: u64,
 }
 
+impl From<&crate::domain::Ended> for Closed {
+    fn from(e: &crate::domain::Ended) -> Closed {
+        Closed {
+            released: e.released.len(),
+            seats: e.seats.len(),
+            jobs: e.jobs.len(),
+            revision: e.revision,
+        }
+    }
+}
+
 impl Closed {
     /// The `session ended` line, written once the end is durable. The id is logged as its
     /// first eight hex digits, never whole: it is a capability, and 32 of its 122 random

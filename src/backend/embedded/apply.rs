@@ -94,12 +94,7 @@ impl Writer {
             Command::End { id, reason, reply } => {
                 let closed = state.end(id, reason, at, fx).map(|e| {
                     self.tally.ended(&e);
-                    Closed {
-                        released: e.released.len(),
-                        seats: e.seats.len(),
-                        jobs: e.jobs.len(),
-                        revision: e.revision,
-                    }
+                    Closed::from(&e)
                 });
                 pend(pending, reply, Ok(closed));
             }
@@ -354,14 +349,7 @@ impl Writer {
                 m.reaper_batch_size.observe(ended.len() as f64);
             }
         }
-        let outcome = ReapOutcome {
-            sessions: ended.len(),
-            locks: ended.iter().map(|e| e.released.len()).sum(),
-            seats: ended.iter().map(|e| e.seats.len()).sum(),
-            jobs: ended.iter().map(|e| e.jobs.len()).sum(),
-        };
-        self.tally.reaped(&ended, outcome);
-        outcome
+        self.tally.reaped(&ended)
     }
 
     /// For a call with a request id: answers a retry from its record, or refuses an id

@@ -58,23 +58,26 @@ impl Tally {
             self.ends.push(EndLine {
                 session: e.id,
                 reason: e.reason,
-                closed: Closed {
-                    released: e.released.len(),
-                    seats: e.seats.len(),
-                    jobs: e.jobs.len(),
-                    revision: e.revision,
-                },
+                closed: Closed::from(e),
             });
         }
     }
 
-    /// The sessions a reaper pass ended and what it released: counted, and logged in the
-    /// batch's one line.
-    pub fn reaped(&mut self, ended: &[Ended], pass: ReapOutcome) {
+    /// The sessions a reaper pass ended and what it released: counted, and added to the
+    /// batch's one line. Returns the pass's own outcome.
+    pub fn reaped(&mut self, ended: &[Ended]) -> ReapOutcome {
+        let mut pass = ReapOutcome::default();
         for e in ended {
             self.count(e);
+            pass += ReapOutcome {
+                sessions: 1,
+                locks: e.released.len(),
+                seats: e.seats.len(),
+                jobs: e.jobs.len(),
+            };
         }
         self.reaped += pass;
+        pass
     }
 
     fn count(&mut self, e: &Ended) {
