@@ -919,11 +919,7 @@ impl Redis {
         if outcome.sessions > 0 {
             self.inner.ends.notify_one();
             m.reaper_batch_size.observe(outcome.sessions as f64);
-            tracing::info!(
-                sessions = outcome.sessions,
-                locks = outcome.locks,
-                "reaped expired sessions"
-            );
+            outcome.log();
         }
         Some(outcome.sessions == size)
     }
