@@ -418,7 +418,7 @@ async fn check_accepts_the_data_directory_after_a_shutdown() {
             })
             .unwrap_or_else(|| panic!("no space line for {table}:\n{out}"))
     };
-    assert_eq!(rows_of("locks"), "3", "{out}");
+    assert_eq!(rows_of("lock_rows"), "3", "{out}");
     assert_eq!(rows_of("events"), "10", "{out}");
     assert_eq!(rows_of("session_rows"), "2", "{out}");
     assert!(out.contains("\nfile: "), "{out}");

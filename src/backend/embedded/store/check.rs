@@ -1,7 +1,7 @@
 //! The integrity check: every invariant of the stored state, read in one transaction, each
 //! broken one reported in words.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata, TableHandle};
 
@@ -10,16 +10,16 @@ use super::db::Store;
 use super::endlog::{self, END_LOG};
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, META, META_EVENT_SEQ, META_REVISION,
-    META_SESSION_ROW, POOLS, ROW_LOCKS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS,
-    SESSION_SEATS, SESSIONS_BY_OWNER, SessionRow, counter, row_of,
+    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCK_ROWS, META, META_EVENT_SEQ, META_REVISION,
+    META_SESSION_ROW, POOLS, SEATS, SESSION_IDS, SESSION_JOBS, SESSION_ROWS, SESSION_SEATS,
+    SESSIONS_BY_OWNER, SessionRow, SessionRowHead, counter, row_of,
 };
 use crate::backend::{CheckReport, TableSpace};
 use crate::domain::{JobId, JobRecord, JobStatus, LockRecord, SeatRecord, SessionId};
 
 impl Store {
-    /// Verifies the store's own invariants: every lock's session exists, the session → grants
-    /// index matches the locks, the id and owner indexes match the session rows, every record
+    /// Verifies the store's own invariants: every lock is stored under the row of the session
+    /// it names, no key is held by two live sessions, the id and owner indexes match the session rows, every record
     /// decodes, and the counters are at or above everything they issued. Sessions are counted
     /// as the server sees them: without those a pending end-log record ended, which must
     /// still have their rows.
@@ -34,8 +34,7 @@ impl Store {
         let by_owner = txn
             .open_table(SESSIONS_BY_OWNER)
             .map_err(StoreError::redb)?;
-        let locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
-        let index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
+        let grants = txn.open_table(LOCK_ROWS).map_err(StoreError::redb)?;
         let events = txn.open_table(EVENTS).map_err(StoreError::redb)?;
         let last_row = counter(&meta, META_SESSION_ROW)?;
         let problems = &mut report.problems;
@@ -48,7 +47,7 @@ impl Store {
         });
         let pending_sessions: HashSet<u128> = pending.into_iter().collect();
         // A record and the deletes it names commit together: a pending session has its row.
-        // Its grants wait with it: their index entries may name keys granted again since.
+        // Its grants wait with it, under that row: their keys may have been granted again.
         let mut pending_rows = HashSet::new();
         for &id in &pending_sessions {
             match ids.get(id).map_err(StoreError::redb)? {
@@ -115,9 +114,11 @@ impl Store {
                 ));
             }
         }
-        for entry in locks.iter().map_err(StoreError::redb)? {
-            let (key, bytes) = entry.map_err(StoreError::redb)?;
-            let key = key.value();
+        // Each key's live holder's row, to find a key held twice.
+        let mut live_keys: HashMap<String, u64> = HashMap::new();
+        for entry in grants.iter().map_err(StoreError::redb)? {
+            let (entry, bytes) = entry.map_err(StoreError::redb)?;
+            let (row, key) = entry.value();
             let rec = match codec::decode::<LockRecord>(bytes.value()) {
                 Ok(rec) => rec,
                 Err(e) => {
@@ -125,19 +126,22 @@ impl Store {
                     continue;
                 }
             };
-            report.locks += u64::from(!pending_sessions.contains(&rec.session_id.as_u128()));
-            match row_of(&ids, rec.session_id)? {
+            let holder = match rows.get(row).map_err(StoreError::redb)? {
+                Some(bytes) => codec::decode_head::<SessionRowHead<'_>>(bytes.value())
+                    .ok()
+                    .map(|head| head.id),
+                None => None,
+            };
+            match holder {
                 None => problems.push(format!(
-                    "lock {key:?} is held by session {} which does not exist",
+                    "lock {key:?} is held by session {} which does not exist (row {row} is empty)",
                     rec.session_id
                 )),
-                Some(row) => {
-                    if index.get((row, key)).map_err(StoreError::redb)?.is_none() {
-                        problems.push(format!(
-                            "lock {key:?} is missing from its session's grant index"
-                        ));
-                    }
-                }
+                Some(id) if id != rec.session_id => problems.push(format!(
+                    "lock {key:?} names session {} but is stored under row {row}, of session {id}",
+                    rec.session_id
+                )),
+                Some(_) => {}
             }
             if rec.token.0 > report.revision {
                 problems.push(format!(
@@ -145,20 +149,13 @@ impl Store {
                     rec.token.0, report.revision
                 ));
             }
-        }
-        for entry in index.iter().map_err(StoreError::redb)? {
-            let (entry, _) = entry.map_err(StoreError::redb)?;
-            let (row, key) = entry.value();
-            let holder = match locks.get(key).map_err(StoreError::redb)? {
-                Some(bytes) => match codec::decode::<LockRecord>(bytes.value()) {
-                    Ok(r) => row_of(&ids, r.session_id)?,
-                    Err(_) => None,
-                },
-                None => None,
-            };
-            if holder != Some(row) && !pending_rows.contains(&row) {
+            if pending_rows.contains(&row) {
+                continue;
+            }
+            report.locks += 1;
+            if let Some(other) = live_keys.insert(key.to_string(), row) {
                 problems.push(format!(
-                    "grant index says session row {row} holds {key:?}, the lock table disagrees"
+                    "lock {key:?} is held by two live sessions, in rows {other} and {row}"
                 ));
             }
         }

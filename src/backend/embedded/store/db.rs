@@ -15,7 +15,7 @@ use super::error::StoreError;
 use super::fault::{FaultSwitch, FaultyBackend};
 use super::held::Held;
 use super::migrate;
-use super::tables::{self, LOCKS, META, META_SCHEMA, SCHEMA_VERSION, corrupt, stored_key};
+use super::tables::{self, LOCK_ROWS, META, META_SCHEMA, SCHEMA_VERSION, corrupt, stored_key};
 use crate::domain::{LockKey, LockRecord};
 
 /// Sessions per transaction when the pending ends are applied at open.
@@ -90,20 +90,21 @@ impl Store {
                 None | Some(SCHEMA_VERSION) => {}
                 // Schema 3 lacks only `end_log`, which `create_all` adds; schema 2's events,
                 // all of format 1, read as they are; schema 4's end-log records apply as
-                // they are; schema 5's chain, a hash for every event, verifies as it is: only
-                // the stamp changes.
-                Some(from @ (2..=5)) => tracing::info!(
-                    path = %path.display(),
-                    "data file migrated from schema {from} to {SCHEMA_VERSION}"
-                ),
-                Some(1) => {
+                // they are; schema 5's chain, a hash for every event, verifies as it is;
+                // schema 6's grants move under their holders' rows.
+                Some(from @ (1..=6)) => {
                     drop(meta);
-                    let done = migrate::v1_to_v2(&txn)?;
+                    let sessions = if from == 1 {
+                        Some(migrate::v1_to_v2(&txn)?)
+                    } else {
+                        None
+                    };
+                    let grants = migrate::v6_to_v7(&txn)?;
                     tracing::info!(
-                        sessions = done.sessions,
-                        grants = done.grants,
+                        sessions = sessions.map(|m| m.sessions),
+                        grants,
                         path = %path.display(),
-                        "data file migrated from schema 1 to {SCHEMA_VERSION}"
+                        "data file migrated from schema {from} to {SCHEMA_VERSION}"
                     );
                     meta = txn.open_table(META).map_err(StoreError::redb)?;
                 }
@@ -128,20 +129,27 @@ impl Store {
             held: Held::default(),
         };
         store.apply_all_ends()?;
-        // With no end pending, every row of the lock table is a held lock.
+        // With no end pending, every stored grant is a held lock.
         store.held = Held::new(store.lock_rows()?);
         Ok(store)
     }
 
-    /// Every row of the lock table, in key order.
+    /// Every stored grant, in key order. Called with no end pending, when each key is
+    /// stored once: a key under two rows is refused, as the load would hold it twice.
     fn lock_rows(&self) -> Result<Vec<(LockKey, LockRecord)>, StoreError> {
         let txn = self.read()?;
-        let table = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        let table = txn.open_table(LOCK_ROWS).map_err(StoreError::redb)?;
         let mut locks = Vec::with_capacity(table.len().map_err(StoreError::redb)? as usize);
         for row in table.iter().map_err(StoreError::redb)? {
             let (key, bytes) = row.map_err(StoreError::redb)?;
-            let record = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-            locks.push((stored_key(key.value())?, record));
+            let record: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            locks.push((stored_key(key.value().1)?, record));
+        }
+        locks.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        if let Some(pair) = locks.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(StoreError::KeyHeldTwice {
+                key: pair[0].0.to_string(),
+            });
         }
         Ok(locks)
     }

@@ -4,22 +4,22 @@
 //! A pass's commit writes at once what another write could later depend on: the audit events
 //! of the sessions it ended (in sequence order, hash chained) and the deletes of their seats
 //! and jobs. The deletes of the sessions' own rows (`session_ids`, `session_rows`,
-//! `sessions_by_owner`) and of their grants (`locks`, `row_locks`) are deferred: the commit
-//! appends one `end_log` record naming the sessions instead. Those are the deletes that
-//! scatter: the ids are random and lock keys are the users', so a pass of a few hundred
-//! sessions would dirty a page per session. Applied later, many records at once and sorted,
-//! neighbouring deletes share their pages.
+//! `sessions_by_owner`) and of their grants (`lock_rows`) are deferred: the commit appends
+//! one `end_log` record naming the sessions instead. Those are the deletes that scatter: the
+//! ids are random, so a pass of a few hundred sessions would dirty a page per session.
+//! Applied later, many records at once and sorted by row, neighbouring deletes share their
+//! pages.
 //!
 //! Invariants that make the deferral sound:
 //! - a record commits in the transaction of the pass's events, so a record exists exactly
 //!   when the sessions it names are ended in the audit log and may still have rows;
 //! - memory is the authority on which sessions are live and which locks are held, and every
-//!   read of a session row passes through it; a read of the lock table passes through the
+//!   read of a session row passes through it; a read of the locks passes through the
 //!   store's set of sessions with ends pending ([`super::db::Store`]), so a lock of an ended
 //!   session is not shown held once the commit that ended it has returned;
-//! - a session id is never reused, so deleting its rows late cannot hit a later session; a
-//!   lock is deleted only while the ended session still holds it, so a later grant of the
-//!   same key is kept;
+//! - a session id (and a row) is never reused, so deleting its rows late cannot hit a later
+//!   session; its grants are stored under its own row, so a later grant of the same key,
+//!   under another row, is kept;
 //! - applying is idempotent (every delete tolerates an absent row), and deletes the record
 //!   in the transaction that applies it: a crash before that commit applies it again;
 //! - `Store::open` applies every pending record before anything is loaded, so a restart
@@ -32,9 +32,9 @@ use super::codec;
 use super::error::StoreError;
 pub(super) use super::tables::END_LOG;
 use super::tables::{
-    LOCKS, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SESSIONS_BY_OWNER, SessionRowHead, corrupt, row_of,
+    LOCK_ROWS, SESSION_IDS, SESSION_ROWS, SESSIONS_BY_OWNER, SessionRowHead, corrupt, row_of,
 };
-use crate::domain::{LockRecord, SessionId};
+use crate::domain::SessionId;
 
 /// The sessions one reaper pass ended, whose rows are still to be deleted. Postcard is
 /// positional: fields are only appended.
@@ -65,8 +65,8 @@ pub(super) struct SessionTables<'t> {
     pub rows: Table<'t, u64, &'static [u8]>,
     pub ids: Table<'t, u128, u64>,
     pub by_owner: Table<'t, (&'static str, u128), ()>,
-    pub locks: Table<'t, &'static str, &'static [u8]>,
-    pub index: Table<'t, (u64, &'static str), ()>,
+    /// (holder's row, key) → `LockRecord`.
+    pub grants: Table<'t, (u64, &'static str), &'static [u8]>,
 }
 
 impl<'t> SessionTables<'t> {
@@ -77,21 +77,31 @@ impl<'t> SessionTables<'t> {
             by_owner: txn
                 .open_table(SESSIONS_BY_OWNER)
                 .map_err(StoreError::redb)?,
-            locks: txn.open_table(LOCKS).map_err(StoreError::redb)?,
-            index: txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?,
+            grants: txn.open_table(LOCK_ROWS).map_err(StoreError::redb)?,
         })
     }
 
-    /// Deletes session `id`'s row and its id and owner entries; nothing when it has none.
-    pub fn delete_session(&mut self, id: u128) -> Result<(), StoreError> {
+    /// Deletes session `id`'s row, its id and owner entries and every grant still stored
+    /// under its row (the cascade: a grant never outlives its holder's row); nothing when it
+    /// has none. Returns the keys of those grants.
+    pub fn delete_session(&mut self, id: u128) -> Result<Vec<String>, StoreError> {
         let Some(row) = self
             .ids
             .remove(id)
             .map_err(StoreError::redb)?
             .map(|r| r.value())
         else {
-            return Ok(());
+            return Ok(Vec::new());
         };
+        let mut keys = Vec::new();
+        for entry in self
+            .grants
+            .extract_from_if((row, "")..(row + 1, ""), |_, _| true)
+            .map_err(StoreError::redb)?
+        {
+            let (entry, _) = entry.map_err(StoreError::redb)?;
+            keys.push(entry.value().1.to_string());
+        }
         let removed = self.rows.remove(row).map_err(StoreError::redb)?;
         if let Some(bytes) = removed {
             let head: SessionRowHead<'_> =
@@ -101,34 +111,14 @@ impl<'t> SessionTables<'t> {
                 .remove((head.owner, id))
                 .map_err(StoreError::redb)?;
         }
-        Ok(())
+        Ok(keys)
     }
 
-    /// Deletes `holder`'s grant of `key`: the lock and its index entry, found through the
-    /// holder's row, so before that row is deleted.
+    /// Deletes `holder`'s grant of `key`, found under the holder's row, so before that row
+    /// is deleted.
     pub fn delete_grant(&mut self, key: &str, holder: u128) -> Result<(), StoreError> {
-        self.locks.remove(key).map_err(StoreError::redb)?;
         if let Some(row) = row_of(&self.ids, SessionId::from_u128(holder))? {
-            self.index.remove((row, key)).map_err(StoreError::redb)?;
-        }
-        Ok(())
-    }
-}
-
-impl SessionTables<'_> {
-    /// Deletes an ended session's grant of `key` from the index, and the lock itself only
-    /// while that session still holds it: a later grant of the key stays.
-    fn delete_ended_grant(&mut self, key: &str, row: u64, id: u128) -> Result<(), StoreError> {
-        self.index.remove((row, key)).map_err(StoreError::redb)?;
-        let held = match self.locks.get(key).map_err(StoreError::redb)? {
-            Some(bytes) => {
-                let lock: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-                lock.session_id.as_u128() == id
-            }
-            None => false,
-        };
-        if held {
-            self.locks.remove(key).map_err(StoreError::redb)?;
+            self.grants.remove((row, key)).map_err(StoreError::redb)?;
         }
         Ok(())
     }
@@ -151,14 +141,15 @@ pub(super) fn append(txn: &WriteTransaction, ended: &Ended) -> Result<(), StoreE
 pub(super) struct Applied {
     /// The sessions applied, in row order.
     pub sessions: Vec<u128>,
-    /// Their grants, in key order, with the holder: the lock itself went only where that
-    /// session still held it.
+    /// Their grants, with the holder: a later grant of the same key, under another row, is
+    /// not among them.
     pub grants: Vec<(String, u128)>,
 }
 
 /// Applies the oldest pending records, whole, until at least `limit` sessions are applied or
-/// none is left, and deletes them. The session deletes are made in row order and the lock
-/// deletes in key order, so neighbouring deletes share their page.
+/// none is left, and deletes them. The deletes are made in row order, so neighbouring
+/// deletes share their page: a session's grants sit under its row, next to those of the
+/// sessions opened with it.
 pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<Applied, StoreError> {
     let mut log = txn.open_table(END_LOG).map_err(StoreError::redb)?;
     let mut taken = Vec::new();
@@ -181,29 +172,15 @@ pub(super) fn apply(txn: &WriteTransaction, limit: usize) -> Result<Applied, Sto
         rows.push((row_of(&t.ids, SessionId::from_u128(id))?, id));
     }
     rows.sort_unstable();
-    // The grants first, found through the grant index while the rows still name them.
     let mut grants = Vec::new();
-    for &(row, id) in &rows {
-        let Some(row) = row else { continue };
-        for entry in t
-            .index
-            .range((row, "")..(row + 1, ""))
-            .map_err(StoreError::redb)?
-        {
-            let (entry, _) = entry.map_err(StoreError::redb)?;
-            grants.push((entry.value().1.to_string(), row, id));
+    for &(_, id) in &rows {
+        for key in t.delete_session(id)? {
+            grants.push((key, id));
         }
-    }
-    grants.sort_unstable();
-    for (key, row, id) in &grants {
-        t.delete_ended_grant(key, *row, *id)?;
-    }
-    for (_, id) in &rows {
-        t.delete_session(*id)?;
     }
     Ok(Applied {
         sessions: rows.into_iter().map(|(_, id)| id).collect(),
-        grants: grants.into_iter().map(|(key, _, id)| (key, id)).collect(),
+        grants,
     })
 }
 

@@ -30,6 +30,13 @@ pub enum StoreError {
     EventExists { seq: u64 },
     #[error("audit event {seq} is above the event counter {counter} written with it")]
     EventAboveCounter { seq: u64, counter: u64 },
+    /// The domain grants only to a present session; a grant without a row to store it under
+    /// is a bug, refused rather than written where no check could find its holder.
+    #[error("lock {key:?} is granted to session {session}, which has no row")]
+    GrantWithoutSession { key: String, session: String },
+    /// With no end pending, a key stored under two rows would be held twice.
+    #[error("lock {key:?} is stored under two sessions with no end pending")]
+    KeyHeldTwice { key: String },
     #[error("an earlier write failed; the store refuses writes until the server restarts")]
     Failed,
     /// The data file holds a table the backup's table list does not name: a backup would

@@ -1,13 +1,16 @@
-//! The lock table as committed, in key order, in memory, with the sessions whose ends are
-//! pending: what lock reads answer from.
+//! The committed locks, in key order, in memory, with the sessions whose ends are pending:
+//! what lock reads answer from (the data file keeps the grants under their holders' rows
+//! only, in `lock_rows`).
 //!
-//! Invariant: between commits, `rows` holds exactly the rows of the `locks` table and
-//! `ended` exactly the sessions named by its pending end-log records. A reaper pass leaves
-//! its sessions' lock rows in the table until its record is applied after the storm (see
+//! Invariant: between commits, `rows` holds, for each key stored in `lock_rows`, its newest
+//! grant (an older one is a pending end's, whose key was granted again), and `ended` exactly
+//! the sessions named by the pending end-log records. A reaper pass leaves its sessions'
+//! grants stored until its record is applied after the storm (see
 //! [`super::endlog`]), and reads hide a lock whose holder is in `ended`. Walking the redb
 //! table past a million such rows took about 0.4 s a page (`store/list_hidden`); here a
 //! page steps over them in memory, looking each holder up in a hash set (about 0.11 s), and
-//! a point read is one lookup. The rows leave the view when their record is applied, in key order, off the storm.
+//! a point read is one lookup. The rows leave the view when their record is applied, off the
+//! storm.
 //! Keeping them until then, rather than taking each out as its pass commits, keeps the
 //! storm's own work to one set insert a session: taking 100 000 keys out of an ordered map
 //! one by one, in deadline order, cost the writer more than the walks it saved.
@@ -48,7 +51,7 @@ pub(super) struct Held {
 }
 
 impl Held {
-    /// A view of `locks`, given in key order (as the table iterates), with no end pending.
+    /// A view of the stored grants, given in key order, with no end pending.
     pub fn new(locks: Vec<(LockKey, LockRecord)>) -> Held {
         Held {
             rows: RwLock::new(Rows {

@@ -66,7 +66,7 @@ impl Store {
             let stored: SessionRow = codec::decode(bytes.value()).map_err(corrupt("session"))?;
             sessions.push((stored.id, stored.record.ttl_ms));
         }
-        // The lock view was read from the lock table at open, with no end pending; its keys
+        // The lock view was read from the stored grants at open, with no end pending; its keys
         // are shared with the state's.
         let locks = self.held.all();
         let mut pools = Vec::new();

@@ -11,10 +11,10 @@ use redb::{ReadableTable, ReadableTableMetadata, WriteTransaction};
 use super::codec;
 use super::error::StoreError;
 use super::tables::{
-    META, META_SESSION_ROW, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SessionRowRef, corrupt, counter,
-    v1,
+    LOCK_ROWS, META, META_SESSION_ROW, SESSION_IDS, SESSION_ROWS, SessionRowRef, corrupt, counter,
+    row_of, v1, v6,
 };
-use crate::domain::{SessionId, SessionRecord};
+use crate::domain::{LockRecord, SessionId, SessionRecord};
 
 /// What a migration step rewrote, for the log line that reports it.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ pub fn v1_to_v2(txn: &WriteTransaction) -> Result<Migrated, StoreError> {
     {
         let mut rows = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
         let mut ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
-        let mut index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
+        let mut index = txn.open_table(v6::ROW_LOCKS).map_err(StoreError::redb)?;
         let old_index = txn
             .open_table(v1::SESSION_LOCKS)
             .map_err(StoreError::redb)?;
@@ -79,4 +79,39 @@ pub fn v1_to_v2(txn: &WriteTransaction) -> Result<Migrated, StoreError> {
     txn.delete_table(v1::SESSION_LOCKS)
         .map_err(StoreError::redb)?;
     Ok(done)
+}
+
+/// Schema 6 (and 2 to 5, whose lock tables were the same) → 7: each lock moves from `locks`
+/// (key → record) to `lock_rows`, under its holder's row; `locks` and the grants index
+/// `row_locks` are deleted. Returns how many grants moved.
+///
+/// The record in `locks` is the grant: an index entry without one is the grant of a session
+/// a pending end-log record ended, whose key was granted again since (applying the record
+/// deletes nothing else of it), and is dropped. A lock whose holder has no row could not be
+/// loaded by the build that wrote it either (the load refuses a lock of an unknown session),
+/// so the migration refuses it too, naming it, and the file stays as it was.
+pub fn v6_to_v7(txn: &WriteTransaction) -> Result<u64, StoreError> {
+    let mut moved = 0;
+    {
+        let locks = txn.open_table(v6::LOCKS).map_err(StoreError::redb)?;
+        let ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
+        let mut grants = txn.open_table(LOCK_ROWS).map_err(StoreError::redb)?;
+        for entry in locks.iter().map_err(StoreError::redb)? {
+            let (key, bytes) = entry.map_err(StoreError::redb)?;
+            let record: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            let Some(row) = row_of(&ids, record.session_id)? else {
+                return Err(StoreError::GrantWithoutSession {
+                    key: key.value().to_string(),
+                    session: record.session_id.to_string(),
+                });
+            };
+            grants
+                .insert((row, key.value()), bytes.value())
+                .map_err(StoreError::redb)?;
+            moved += 1;
+        }
+    }
+    txn.delete_table(v6::LOCKS).map_err(StoreError::redb)?;
+    txn.delete_table(v6::ROW_LOCKS).map_err(StoreError::redb)?;
+    Ok(moved)
 }

@@ -7,9 +7,9 @@ use super::codec;
 use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
-    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCKS, POOLS, ROW_LOCKS, SEATS, SESSION_IDS,
-    SESSION_JOBS, SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, corrupt, decoded, record_at,
-    row_of, session_record,
+    EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCK_ROWS, POOLS, SEATS, SESSION_IDS, SESSION_JOBS,
+    SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, corrupt, decoded, record_at, row_of,
+    session_record,
 };
 use crate::domain::{
     Event, JobId, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionId, SessionRecord, Token,
@@ -83,22 +83,18 @@ impl Store {
     pub fn session_locks(&self, id: SessionId) -> Result<Vec<(String, LockRecord)>, StoreError> {
         let txn = self.read()?;
         let ids = txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
-        let index = txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
-        let locks = txn.open_table(LOCKS).map_err(StoreError::redb)?;
+        let grants = txn.open_table(LOCK_ROWS).map_err(StoreError::redb)?;
         let mut out = Vec::new();
-        let Some(session_row) = row_of(&ids, id)? else {
+        let Some(row) = row_of(&ids, id)? else {
             return Ok(out);
         };
-        for row in index.range((session_row, "")..).map_err(StoreError::redb)? {
-            let (entry, _) = row.map_err(StoreError::redb)?;
-            let (row, key) = entry.value();
-            if row != session_row {
-                break;
-            }
-            if let Some(bytes) = locks.get(key).map_err(StoreError::redb)? {
-                let record = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-                out.push((key.to_string(), record));
-            }
+        for entry in grants
+            .range((row, "")..(row + 1, ""))
+            .map_err(StoreError::redb)?
+        {
+            let (entry, bytes) = entry.map_err(StoreError::redb)?;
+            let record = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            out.push((entry.value().1.to_string(), record));
         }
         Ok(out)
     }

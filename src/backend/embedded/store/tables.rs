@@ -1,24 +1,31 @@
 //! The table layout of the data file, and the helpers every reader of its rows shares.
 //!
-//! Tables (schema 6; schema 5 stored the hash of every audit event rather than of each
-//! commit's last, schema 4 deferred only the session rows of an end-log record, schema 3
+//! Tables (schema 7; schema 6 kept the locks keyed by their key in `locks` with a grants
+//! index `row_locks` beside it, schema 5 stored the hash of every audit event rather than of
+//! each commit's last, schema 4 deferred only the session rows of an end-log record, schema 3
 //! had the same without `end_log`, schema 2 also had every event in record format 1):
 //! - `meta`: the durable counters (`revision`, `event_seq`, `session_row`) and the schema
 //!   version;
 //! - `session_rows`: row number → [`SessionRow`] (the public id and its `SessionRecord`), with
 //!   `session_ids` (session id → row) to find a row by id, and `sessions_by_owner` (owner,
 //!   session id) as the owner index;
-//! - `locks`: key → `LockRecord`, with `row_locks` (row, key) as the session → grants index.
+//! - `lock_rows`: (holder's row, key) → `LockRecord`: every grant, stored under its holder.
+//!   No table is keyed by the lock key alone: lock reads answer from the committed locks in
+//!   memory ([`super::held`]), loaded from this table at open, so a key-ordered copy on disk
+//!   served no reader and cost a page on a random spot of its B-tree for every grant and
+//!   release (in schema 6 it was a fifth of the pages of a million live locks, half of them
+//!   free space). That the key is held once is the domain's rule; `check` proves it.
 //!   redb has no foreign keys, so the cascade is emulated: the domain emits one `DeleteLock`
 //!   per grant of an ending session and they commit in the same transaction, except for the
 //!   sessions a reaper pass ends, whose grants go with their rows when their end-log record
-//!   is applied.
+//!   is applied; until then the key may be granted again, and then two rows name it, the
+//!   newer grant (the higher token) being the held one.
 //!
 //! Why rows: session ids are random (they are capabilities), so rows keyed by them put every
 //! session on a random page of each table, and a mass end dirtied nearly every page of
 //! several B-trees. A row number is issued by the store in creation order (`session_row`
 //! ratchets up and is never reused), so sessions opened together sit on neighbouring pages
-//! of `session_rows` and `row_locks`, and ending them together copies few pages. Only the
+//! of `session_rows` and `lock_rows`, and ending them together copies few pages. Only the
 //! small `session_ids` entries and the owner index still follow the random id: listings
 //! and the API's session-id order need them.
 //! - `pools`: name → `PoolRecord`; `seats`: (pool, session id) → `SeatRecord`, with
@@ -49,8 +56,7 @@ pub(super) const SESSION_ROWS: TableDefinition<u64, &[u8]> = TableDefinition::ne
 pub(super) const SESSION_IDS: TableDefinition<u128, u64> = TableDefinition::new("session_ids");
 pub(super) const SESSIONS_BY_OWNER: TableDefinition<(&str, u128), ()> =
     TableDefinition::new("sessions_by_owner");
-pub(super) const LOCKS: TableDefinition<&str, &[u8]> = TableDefinition::new("locks");
-pub(super) const ROW_LOCKS: TableDefinition<(u64, &str), ()> = TableDefinition::new("row_locks");
+pub(super) const LOCK_ROWS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("lock_rows");
 pub(super) const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 /// Record number → an encoded `endlog::Ended`: the pending ends, oldest first (see
 /// [`super::endlog`]).
@@ -69,6 +75,15 @@ pub(super) const SESSION_JOBS: TableDefinition<(u128, u128), ()> =
 /// schema bump: a file without it gets it empty at open, and an older build ignores it.
 pub(super) const REQUEST_IDS: TableDefinition<&str, &[u8]> = TableDefinition::new("request_ids");
 
+/// Schema 6's lock tables (and schema 2's to 5's), read only by the migration, which deletes
+/// them.
+pub(super) mod v6 {
+    use redb::TableDefinition;
+
+    pub const LOCKS: TableDefinition<&str, &[u8]> = TableDefinition::new("locks");
+    pub const ROW_LOCKS: TableDefinition<(u64, &str), ()> = TableDefinition::new("row_locks");
+}
+
 /// Schema 1's tables, read only by the migration, which deletes them.
 pub(super) mod v1 {
     use redb::TableDefinition;
@@ -84,8 +99,7 @@ pub const ALL: &[&str] = &[
     "session_rows",
     "session_ids",
     "sessions_by_owner",
-    "locks",
-    "row_locks",
+    "lock_rows",
     "events",
     "pools",
     "seats",
@@ -120,7 +134,10 @@ pub(super) const META_SESSION_ROW: &str = "session_row";
 /// chain's first, and the anchor a trim leaves), not of every event. A build of schema 5
 /// would report the events between as missing from the chain; stamping the file 6 makes it
 /// refuse the file. From 5 nothing changes: a hash for every event verifies as it is.
-pub(super) const SCHEMA_VERSION: u64 = 6;
+/// 7: the grants live in `lock_rows`, under their holder's row; `locks` and `row_locks` are
+/// gone. A build of schema 6 would find no locks; stamping the file 7 makes it refuse it.
+/// From 6 the grants are rewritten ([`super::migrate::v6_to_v7`]).
+pub(super) const SCHEMA_VERSION: u64 = 7;
 
 /// A stored session: its public id travels in the row, which is keyed by row number.
 ///
@@ -162,8 +179,7 @@ pub(super) fn each_table(f: &mut impl EachTable) -> Result<(), StoreError> {
     f.table(SESSION_ROWS)?;
     f.table(SESSION_IDS)?;
     f.table(SESSIONS_BY_OWNER)?;
-    f.table(LOCKS)?;
-    f.table(ROW_LOCKS)?;
+    f.table(LOCK_ROWS)?;
     f.table(EVENTS)?;
     f.table(POOLS)?;
     f.table(SEATS)?;
@@ -184,8 +200,7 @@ pub(super) fn create_all(txn: &WriteTransaction) -> Result<(), StoreError> {
     txn.open_table(SESSION_IDS).map_err(StoreError::redb)?;
     txn.open_table(SESSIONS_BY_OWNER)
         .map_err(StoreError::redb)?;
-    txn.open_table(LOCKS).map_err(StoreError::redb)?;
-    txn.open_table(ROW_LOCKS).map_err(StoreError::redb)?;
+    txn.open_table(LOCK_ROWS).map_err(StoreError::redb)?;
     txn.open_table(EVENTS).map_err(StoreError::redb)?;
     txn.open_table(super::chain::EVENT_HASHES)
         .map_err(StoreError::redb)?;

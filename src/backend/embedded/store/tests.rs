@@ -45,8 +45,11 @@ fn what_is_committed_loads_back_and_checks_clean() {
     assert_eq!(store.session_locks(id).unwrap().len(), 1);
 }
 
+/// A grant to a session without a row has nowhere to be stored: the commit is refused
+/// whole (and the store fail-stops), rather than writing a lock no check could tie to a
+/// holder.
 #[test]
-fn check_reports_an_orphan_lock() {
+fn a_grant_to_a_session_without_a_row_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path(), 1 << 20).unwrap();
     let orphan = Change::PutLock {
@@ -57,19 +60,77 @@ fn check_reports_an_orphan_lock() {
             acquired_at: UnixMs(0),
         },
     };
-    store
+    let err = store
         .commit(&Batch {
             changes: &[orphan],
-            revision: 3,
-            event_seq: 0,
-            trim_events: None,
+            revision: 5,
             ..Default::default()
         })
-        .unwrap();
-    let report = store.check().unwrap();
-    assert_eq!(report.problems.len(), 2, "{:?}", report.problems);
-    assert!(report.problems[0].contains("does not exist"));
-    assert!(report.problems[1].contains("above the revision counter"));
+        .unwrap_err();
+    assert!(
+        matches!(&err, StoreError::GrantWithoutSession { key, .. } if key == "k"),
+        "{err}"
+    );
+    assert!(store.failed());
+    drop(store);
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    assert!(store.load().unwrap().locks.is_empty());
+    assert_eq!(store.check().unwrap().revision, 0);
+}
+
+/// Writes grant rows straight into `lock_rows`, as a damaged file or a bug would leave them.
+fn put_grant_rows(store: &Store, rows: &[(u64, &str, LockRecord)]) {
+    let txn = store.db.begin_write().unwrap();
+    {
+        let mut table = txn.open_table(super::tables::LOCK_ROWS).unwrap();
+        for (row, key, record) in rows {
+            table
+                .insert((*row, *key), super::codec::encode(record).as_slice())
+                .unwrap();
+        }
+    }
+    txn.commit().unwrap();
+}
+
+/// `check` finds a lock stored under an empty row, one whose row holds another session, one
+/// with a token above the counter, and a key held by two live sessions; and a start refuses
+/// the key held twice.
+#[test]
+fn check_reports_every_broken_grant() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    let ids = sessions_with_locks(&store, &mut state, 2);
+    let grant = |id: SessionId, token| LockRecord {
+        session_id: id,
+        token: Token(token),
+        acquired_at: UnixMs(0),
+    };
+    // Rows 1 and 2 are the two sessions, which hold k0 and k1.
+    put_grant_rows(
+        &store,
+        &[
+            (7, "orphan", grant(SessionId::random(), 1)),
+            (1, "misfiled", grant(ids[1], 1)),
+            (2, "k0", grant(ids[1], 1)),
+            (2, "late", grant(ids[1], 99)),
+        ],
+    );
+    let mut problems = store.check().unwrap().problems;
+    problems.sort();
+    assert_eq!(problems.len(), 4, "{problems:?}");
+    assert!(problems[0].contains("\"k0\" is held by two live sessions, in rows 1 and 2"));
+    assert!(problems[1].contains("\"late\" has token 99 above the revision counter"));
+    assert!(problems[2].contains("\"misfiled\" names session"));
+    assert!(problems[2].contains("stored under row 1"));
+    assert!(problems[3].contains("\"orphan\" is held by session"));
+    assert!(problems[3].contains("does not exist"));
+    drop(store);
+    let err = Store::open(dir.path(), 1 << 20).unwrap_err();
+    assert!(
+        matches!(&err, StoreError::KeyHeldTwice { key } if key == "k0"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -170,20 +231,60 @@ fn old_events_are_trimmed_in_bounded_batches() {
     assert_eq!(left, vec![5]);
 }
 
-/// Rewrites a schema-2 file into the layout release 0.1.0 wrote (schema 1): sessions keyed by
-/// their id in `sessions`, the grants index in `session_locks`, no row tables or counter.
-/// Every other table had the same layout in 0.1.0, so what it leaves is a 0.1.0 file.
+/// Rewrites a file of this schema into schema 6's lock layout: each key's grant (the highest
+/// token, where a pending end left an older one) in `locks`, every grant's (row, key) in
+/// `row_locks`, and no `lock_rows`.
+fn downgrade_to_v6(dir: &std::path::Path) {
+    use redb::ReadableTable;
+
+    use super::tables::{LOCK_ROWS, META, META_SCHEMA, v6};
+    let db = redb::Database::open(dir.join(DATA_FILE)).unwrap();
+    let txn = db.begin_write().unwrap();
+    {
+        let grants = txn.open_table(LOCK_ROWS).unwrap();
+        let mut locks = txn.open_table(v6::LOCKS).unwrap();
+        let mut index = txn.open_table(v6::ROW_LOCKS).unwrap();
+        for entry in grants.iter().unwrap() {
+            let (k, v) = entry.unwrap();
+            let (row, key) = k.value();
+            let record: LockRecord = super::codec::decode(v.value()).unwrap();
+            let newer = match locks.get(key).unwrap() {
+                Some(old) => {
+                    let old: LockRecord = super::codec::decode(old.value()).unwrap();
+                    record.token > old.token
+                }
+                None => true,
+            };
+            if newer {
+                locks.insert(key, v.value()).unwrap();
+            }
+            index.insert((row, key), ()).unwrap();
+        }
+        txn.open_table(META)
+            .unwrap()
+            .insert(META_SCHEMA, 6)
+            .unwrap();
+    }
+    assert!(txn.delete_table(LOCK_ROWS).unwrap());
+    txn.commit().unwrap();
+}
+
+/// Rewrites a file of this schema into the layout release 0.1.0 wrote (schema 1): sessions
+/// keyed by their id in `sessions`, the grants index in `session_locks`, no row tables or
+/// counter. Every other table had the same layout in 0.1.0 as in schema 6, so what it leaves
+/// is a 0.1.0 file.
 fn downgrade_to_v1(dir: &std::path::Path) {
     use redb::{ReadableDatabase, ReadableTable, TableHandle};
 
     use super::tables::{
-        META, META_SCHEMA, META_SESSION_ROW, ROW_LOCKS, SESSION_IDS, SESSION_ROWS, SessionRow, v1,
+        META, META_SCHEMA, META_SESSION_ROW, SESSION_IDS, SESSION_ROWS, SessionRow, v1, v6,
     };
+    downgrade_to_v6(dir);
     let db = redb::Database::open(dir.join(DATA_FILE)).unwrap();
     let txn = db.begin_write().unwrap();
     {
         let rows = txn.open_table(SESSION_ROWS).unwrap();
-        let index = txn.open_table(ROW_LOCKS).unwrap();
+        let index = txn.open_table(v6::ROW_LOCKS).unwrap();
         let mut old = txn.open_table(v1::SESSIONS).unwrap();
         let mut old_index = txn.open_table(v1::SESSION_LOCKS).unwrap();
         let mut by_row = std::collections::HashMap::new();
@@ -208,7 +309,7 @@ fn downgrade_to_v1(dir: &std::path::Path) {
     }
     txn.delete_table(SESSION_ROWS).unwrap();
     txn.delete_table(SESSION_IDS).unwrap();
-    txn.delete_table(ROW_LOCKS).unwrap();
+    txn.delete_table(v6::ROW_LOCKS).unwrap();
     txn.commit().unwrap();
     let read = db.begin_read().unwrap();
     let tables: Vec<String> = read
@@ -217,6 +318,7 @@ fn downgrade_to_v1(dir: &std::path::Path) {
         .map(|t| t.name().to_string())
         .collect();
     assert!(tables.contains(&"sessions".to_string()), "{tables:?}");
+    assert!(tables.contains(&"locks".to_string()), "{tables:?}");
     assert!(!tables.contains(&"session_rows".to_string()), "{tables:?}");
 }
 
@@ -505,47 +607,54 @@ fn deferred_ends_check_clean_and_survive_a_crash_applied_once() {
     assert_eq!(ends_per_session(&store), ends);
 }
 
-/// The locks in the lock table itself, hidden or not.
+/// Every stored grant, hidden or not, in key order (then holder).
 fn stored_locks(store: &Store) -> Vec<(String, SessionId)> {
+    let mut out: Vec<(String, SessionId)> = stored_grants(store)
+        .into_iter()
+        .map(|(k, l)| (k, l.session_id))
+        .collect();
+    out.sort();
+    out
+}
+
+fn stored_grants(store: &Store) -> Vec<(String, LockRecord)> {
     use redb::{ReadableDatabase, ReadableTable};
     let txn = store.db.begin_read().unwrap();
-    let table = txn.open_table(super::tables::LOCKS).unwrap();
+    let table = txn.open_table(super::tables::LOCK_ROWS).unwrap();
     table
         .iter()
         .unwrap()
         .map(|row| {
             let (k, v) = row.unwrap();
-            let lock: LockRecord = super::codec::decode(v.value()).unwrap();
-            (k.value().to_string(), lock.session_id)
+            (
+                k.value().1.to_string(),
+                super::codec::decode(v.value()).unwrap(),
+            )
         })
         .collect()
 }
 
-/// The in-memory lock view holds exactly the lock table's rows and the sessions of the
-/// pending end-log records.
+/// The in-memory lock view holds, for each stored key, its newest grant (the highest token:
+/// an older one is a pending end's), and the sessions of the pending end-log records.
 fn assert_view_mirrors_the_table(store: &Store) {
-    use redb::{ReadableDatabase, ReadableTable};
+    use redb::ReadableDatabase;
+    let mut newest: std::collections::BTreeMap<String, LockRecord> = Default::default();
+    for (key, lock) in stored_grants(store) {
+        let keep = newest.get(&key).is_none_or(|l| l.token < lock.token);
+        if keep {
+            newest.insert(key, lock);
+        }
+    }
+    let rows: Vec<(String, LockRecord)> = newest.into_iter().collect();
     let txn = store.db.begin_read().unwrap();
-    let table = txn.open_table(super::tables::LOCKS).unwrap();
-    let rows: Vec<(String, LockRecord)> = table
-        .iter()
-        .unwrap()
-        .map(|row| {
-            let (k, v) = row.unwrap();
-            (
-                k.value().to_string(),
-                super::codec::decode(v.value()).unwrap(),
-            )
-        })
-        .collect();
     let log = txn.open_table(super::endlog::END_LOG).unwrap();
     let mut pending = super::endlog::pending_sessions(&log).unwrap();
     pending.sort_unstable();
     assert_eq!(store.held.contents(), (rows, pending));
 }
 
-/// A reaper pass's grants stay in the lock table until its record is applied, and no read
-/// shows them meanwhile; applying deletes them, but not a later grant of the same key.
+/// A reaper pass's grants stay stored until its record is applied, and no read shows them
+/// meanwhile; applying deletes them, but not a later grant of the same key.
 #[test]
 fn deferred_grants_are_hidden_until_applied_and_a_later_grant_stays() {
     let dir = tempfile::tempdir().unwrap();
@@ -555,14 +664,16 @@ fn deferred_grants_are_hidden_until_applied_and_a_later_grant_stays() {
     assert_eq!(reap_deferred(&store, &mut state, 5_000), 3);
     let live = live_holding(&store, &mut state, &LockKey::parse("key", "k1").unwrap());
 
-    // Deferred: the ended sessions' k0 and k2 are still stored, k1 is the live grant.
-    let mut stored = stored_locks(&store);
-    stored.sort();
-    let expect = vec![
+    // Deferred: the ended sessions' grants are all still stored, each under its own row,
+    // and the live grant of k1 beside the ended one.
+    let stored = stored_locks(&store);
+    let mut expect = vec![
         ("k0".to_string(), ids[0]),
+        ("k1".to_string(), ids[1]),
         ("k1".to_string(), live),
         ("k2".to_string(), ids[2]),
     ];
+    expect.sort();
     assert_eq!(stored, expect);
     // No read shows them.
     assert_eq!(store.lock("k0").unwrap(), None);
@@ -667,6 +778,7 @@ fn a_schema_3_file_migrates_to_the_current_schema() {
     let mut state = State::new(Limits::default());
     let ids = sessions_with_locks(&store, &mut state, 3);
     drop(store);
+    downgrade_to_v6(dir.path());
     {
         let db = redb::Database::open(dir.path().join(DATA_FILE)).unwrap();
         let txn = db.begin_write().unwrap();
@@ -678,7 +790,7 @@ fn a_schema_3_file_migrates_to_the_current_schema() {
         txn.commit().unwrap();
     }
     let store = Store::open(dir.path(), 1 << 20).unwrap();
-    assert_eq!(SCHEMA_VERSION, 6);
+    assert_eq!(SCHEMA_VERSION, 7);
     {
         let read = store.db.begin_read().unwrap();
         let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
@@ -695,6 +807,106 @@ fn a_schema_3_file_migrates_to_the_current_schema() {
     drop(store);
     let store = Store::open(dir.path(), 1 << 20).unwrap();
     assert!(store.load().unwrap().sessions.is_empty());
+}
+
+/// A schema-6 file, with a reaper pass's record pending and one of its keys granted again
+/// since, opens at the current schema: every grant moves under its holder's row, the pending
+/// end applies without touching the later grant, every token stays, and it checks clean.
+#[test]
+fn a_schema_6_file_moves_its_grants_under_their_rows() {
+    use redb::{ReadableDatabase, TableHandle};
+
+    use super::tables::{META, META_SCHEMA, SCHEMA_VERSION};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    let ended = sessions_with_locks(&store, &mut state, 3);
+    assert_eq!(reap_deferred(&store, &mut state, 5_000), 3);
+    let k1 = LockKey::parse("key", "k1").unwrap();
+    let live = live_holding(&store, &mut state, &k1);
+    let token = store.lock("k1").unwrap().unwrap().token;
+    let mut fx = Effects::default();
+    let other = live_holding(&store, &mut state, &LockKey::parse("key", "x").unwrap());
+    let extra = LockKey::parse("key", "y").unwrap();
+    state.acquire(other, &extra, at(5_002), &mut fx).unwrap();
+    commit(&store, &state, &mut fx);
+    let revision = state.revision();
+    drop(store);
+    downgrade_to_v6(dir.path());
+
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    {
+        let read = store.db.begin_read().unwrap();
+        let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
+        assert_eq!(schema.map(|v| v.value()), Some(SCHEMA_VERSION));
+        let tables: Vec<String> = read
+            .list_tables()
+            .unwrap()
+            .map(|t| t.name().to_string())
+            .collect();
+        assert!(!tables.iter().any(|t| t == "locks" || t == "row_locks"));
+    }
+    // The pending end was applied at open: only the live grants are left.
+    assert_eq!(store.pending_ends().unwrap(), 0);
+    assert_eq!(
+        stored_locks(&store),
+        vec![
+            ("k1".to_string(), live),
+            ("x".to_string(), other),
+            ("y".to_string(), other)
+        ]
+    );
+    assert_eq!(store.lock("k1").unwrap().unwrap().token, token);
+    assert_eq!(store.session_locks(other).unwrap().len(), 2);
+    for id in &ended {
+        assert!(store.session_locks(*id).unwrap().is_empty());
+    }
+    let restore = store.load().unwrap();
+    assert_eq!(restore.revision, revision);
+    assert_eq!(restore.locks.len(), 3);
+    assert_view_mirrors_the_table(&store);
+    let report = store.check().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!((report.sessions, report.locks), (2, 3));
+}
+
+/// A schema-6 file holding a lock of a session without a row is refused at open, naming the
+/// lock, and left at schema 6 as it was.
+#[test]
+fn a_schema_6_lock_without_its_session_is_refused_untouched() {
+    use redb::{ReadableDatabase, ReadableTableMetadata};
+
+    use super::tables::{META, META_SCHEMA, v6};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path(), 1 << 20).unwrap();
+    let mut state = State::new(Limits::default());
+    sessions_with_locks(&store, &mut state, 2);
+    drop(store);
+    downgrade_to_v6(dir.path());
+    {
+        let db = redb::Database::open(dir.path().join(DATA_FILE)).unwrap();
+        let txn = db.begin_write().unwrap();
+        let stray = LockRecord {
+            session_id: SessionId::random(),
+            token: Token(1),
+            acquired_at: UnixMs(0),
+        };
+        txn.open_table(v6::LOCKS)
+            .unwrap()
+            .insert("stray", super::codec::encode(&stray).as_slice())
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    let err = Store::open(dir.path(), 1 << 20).unwrap_err();
+    assert!(
+        matches!(&err, StoreError::GrantWithoutSession { key, .. } if key == "stray"),
+        "{err}"
+    );
+    let db = redb::Database::open(dir.path().join(DATA_FILE)).unwrap();
+    let read = db.begin_read().unwrap();
+    let schema = read.open_table(META).unwrap().get(META_SCHEMA).unwrap();
+    assert_eq!(schema.map(|v| v.value()), Some(6));
+    assert_eq!(read.open_table(v6::LOCKS).unwrap().len().unwrap(), 3);
 }
 
 /// Opens a session at `i` seconds into `fx`: one `session_opened` event.

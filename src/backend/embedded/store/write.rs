@@ -162,18 +162,21 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                         .map_err(StoreError::redb)?;
                 }
             }
-            Change::DeleteSession { id } => t.delete_session(id.as_u128())?,
+            Change::DeleteSession { id } => {
+                let left = t.delete_session(id.as_u128())?;
+                // The domain deletes an ending session's grants before its row.
+                debug_assert!(left.is_empty(), "grants outlived their session: {left:?}");
+            }
             Change::PutLock { key, record } => {
-                t.locks
-                    .insert(key.as_str(), codec::encode(record).as_slice())
+                let Some(row) = row_of(&t.ids, record.session_id)? else {
+                    return Err(StoreError::GrantWithoutSession {
+                        key: key.to_string(),
+                        session: record.session_id.to_string(),
+                    });
+                };
+                t.grants
+                    .insert((row, key.as_str()), codec::encode(record).as_slice())
                     .map_err(StoreError::redb)?;
-                // The domain grants only to a present session; a holder without a row is
-                // left unindexed, for `check` to report.
-                if let Some(row) = row_of(&t.ids, record.session_id)? {
-                    t.index
-                        .insert((row, key.as_str()), ())
-                        .map_err(StoreError::redb)?;
-                }
             }
             // An ending session's grants are deleted before its row, in one batch.
             Change::DeleteLock { key, session_id } => {
