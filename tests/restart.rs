@@ -70,13 +70,17 @@ fn assert_free(r: &Reply, what: &str) {
 
 /// Runs `leasehold check --data-dir DIR` and returns (exit code, stdout).
 fn check(dir: &std::path::Path) -> (Option<i32>, String) {
+    leasehold(&["check", "--data-dir"], dir)
+}
+
+/// Runs the binary with `args` and then `dir`; the exit code and everything it printed.
+fn leasehold(args: &[&str], dir: &std::path::Path) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-        .arg("check")
-        .arg("--data-dir")
+        .args(args)
         .arg(dir)
         .env_remove("LEASEHOLD_DATA_DIR")
         .output()
-        .expect("run leasehold check");
+        .expect("run leasehold");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     (out.status.code(), format!("{stdout}{stderr}"))
@@ -399,6 +403,10 @@ async fn check_accepts_the_data_directory_after_a_shutdown() {
     assert_eq!(s.delete(&format!("/v1/sessions/{c}")).await.status, 200);
     s.restart().await;
     token_of(&s.acquire("k/5", &b).await);
+    // Compacting is offline: a running server's directory is refused.
+    let (code, out) = leasehold(&["compact", "--data-dir"], s.dir.path());
+    assert_eq!(code, Some(2), "compact ran beside a server:\n{out}");
+    assert!(out.contains("cannot open"), "{out}");
 
     // Stop the server but keep the directory (TestServer::stop would delete it).
     s.app.take().unwrap().shutdown().await;
@@ -422,6 +430,14 @@ async fn check_accepts_the_data_directory_after_a_shutdown() {
     assert_eq!(rows_of("events"), "10", "{out}");
     assert_eq!(rows_of("session_rows"), "2", "{out}");
     assert!(out.contains("\nfile: "), "{out}");
+
+    // Compacting, offline, keeps everything and checks the result.
+    let (code, out) = leasehold(&["compact", "--data-dir"], s.dir.path());
+    assert_eq!(code, Some(0), "leasehold compact failed:\n{out}");
+    assert!(out.contains("compacted "), "{out}");
+    assert!(out.contains("ok: every invariant holds"), "{out}");
+    assert!(out.contains("sessions: 2\n"), "{out}");
+    assert!(out.contains("locks: 3\n"), "{out}");
 
     // The check does say no when there is nothing to check.
     let empty = tempfile::tempdir().unwrap();

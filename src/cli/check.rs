@@ -36,6 +36,46 @@ pub fn run(data_dir: &Path) -> ExitCode {
     }
 }
 
+/// `leasehold compact`: gives the embedded data file's free space back to the file system,
+/// offline (redb locks the file, so a running server's directory is refused), and checks the
+/// result.
+pub fn compact(data_dir: &Path) -> ExitCode {
+    let path = data_dir.join(DATA_FILE);
+    if !path.exists() {
+        eprintln!("leasehold compact: no data file at {}", path.display());
+        return ExitCode::from(2);
+    }
+    let size = || std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let started = std::time::Instant::now();
+    let mut store = match Store::open(data_dir, 16 * 1024 * 1024) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("leasehold compact: cannot open {}: {e}", data_dir.display());
+            return ExitCode::from(2);
+        }
+    };
+    let before = size();
+    if let Err(e) = store.compact() {
+        eprintln!("leasehold compact: {e}");
+        return ExitCode::FAILURE;
+    }
+    let after = size();
+    println!(
+        "compacted {}: {:.1} MiB -> {:.1} MiB in {} ms",
+        path.display(),
+        mib(before),
+        mib(after),
+        started.elapsed().as_millis()
+    );
+    match store.check() {
+        Ok(report) => print(&report, Some(after)),
+        Err(e) => {
+            eprintln!("leasehold compact: the check after compacting failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// The report; `file` is the embedded data file's size.
 fn print(report: &CheckReport, file: Option<u64>) -> ExitCode {
     println!(

@@ -55,6 +55,13 @@ enum Command {
         #[arg(long, env = "LEASEHOLD_REDIS_URL")]
         redis_url: Option<String>,
     },
+    /// Give the embedded data file's free space back to the file system, offline, and check
+    /// the result (a running server reuses free pages but keeps the file's size).
+    Compact {
+        /// The data directory (the server must not be running on it).
+        #[arg(long, env = "LEASEHOLD_DATA_DIR", default_value = "leasehold-data")]
+        data_dir: PathBuf,
+    },
     /// Apply the PostgreSQL schema migrations of a namespace (serve also applies them at
     /// start); refuses a schema newer than this build knows.
     Migrate {
@@ -512,6 +519,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 check::run_redis(redis_url.as_deref(), &postgres.namespace)
             }
         },
+        Command::Compact { data_dir } => check::compact(&data_dir),
         Command::Migrate { postgres } => {
             check::migrate(postgres.postgres_url.as_deref(), &postgres.namespace)
         }

@@ -15,8 +15,11 @@ use super::error::StoreError;
 use super::fault::{FaultSwitch, FaultyBackend};
 use super::held::Held;
 use super::migrate;
-use super::tables::{self, LOCK_ROWS, META, META_SCHEMA, SCHEMA_VERSION, corrupt, stored_key};
-use crate::domain::{LockKey, LockRecord};
+use super::tables::{
+    self, LOCK_ROWS, META, META_SCHEMA, SCHEMA_VERSION, SESSION_ROWS, SessionRowHead, StoredGrant,
+    corrupt, stored_key,
+};
+use crate::domain::{LockKey, LockRecord, SessionId};
 
 /// Sessions per transaction when the pending ends are applied at open.
 const OPEN_APPLY_SESSIONS: usize = 50_000;
@@ -135,15 +138,40 @@ impl Store {
     }
 
     /// Every stored grant, in key order. Called with no end pending, when each key is
-    /// stored once: a key under two rows is refused, as the load would hold it twice.
+    /// stored once: a key under two rows is refused, as the load would hold it twice. Each
+    /// grant's holder is the session of its row; both tables are in row order, so they are
+    /// read side by side.
     fn lock_rows(&self) -> Result<Vec<(LockKey, LockRecord)>, StoreError> {
         let txn = self.read()?;
         let table = txn.open_table(LOCK_ROWS).map_err(StoreError::redb)?;
+        let sessions = txn.open_table(SESSION_ROWS).map_err(StoreError::redb)?;
+        let mut sessions = sessions.iter().map_err(StoreError::redb)?;
+        // The last session row read: (row, its session).
+        let mut holder: Option<(u64, SessionId)> = None;
         let mut locks = Vec::with_capacity(table.len().map_err(StoreError::redb)? as usize);
-        for row in table.iter().map_err(StoreError::redb)? {
-            let (key, bytes) = row.map_err(StoreError::redb)?;
-            let record: LockRecord = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-            locks.push((stored_key(key.value().1)?, record));
+        for entry in table.iter().map_err(StoreError::redb)? {
+            let (k, bytes) = entry.map_err(StoreError::redb)?;
+            let (row, key) = k.value();
+            while holder.is_none_or(|(r, _)| r < row) {
+                let Some(next) = sessions.next() else {
+                    break;
+                };
+                let (r, session) = next.map_err(StoreError::redb)?;
+                let head: SessionRowHead<'_> =
+                    codec::decode_head(session.value()).map_err(corrupt("session"))?;
+                holder = Some((r.value(), head.id));
+            }
+            let id = match holder {
+                Some((r, id)) if r == row => id,
+                _ => {
+                    return Err(StoreError::GrantWithoutHolder {
+                        key: key.to_string(),
+                        row,
+                    });
+                }
+            };
+            let grant: StoredGrant = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            locks.push((stored_key(key)?, grant.held_by(id)));
         }
         locks.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         if let Some(pair) = locks.windows(2).find(|w| w[0].0 == w[1].0) {
@@ -172,6 +200,19 @@ impl Store {
             tracing::info!(sessions = applied, path = %self.path.display(), "applied pending session ends");
         }
         Ok(())
+    }
+
+    /// Moves the live pages to the front of the file and gives back the free space behind
+    /// them, pass after pass until one frees nothing; returns the passes that did. A running
+    /// store reuses free pages but shrinks the file only where its tail is free, so a file
+    /// once grown by a storm keeps its size; this is the offline `leasehold compact`. Each
+    /// pass is a commit: a crash part-way leaves a smaller or an unchanged, whole file.
+    pub fn compact(&mut self) -> Result<u32, StoreError> {
+        let mut passes = 0;
+        while self.db.compact().map_err(StoreError::redb)? {
+            passes += 1;
+        }
+        Ok(passes)
     }
 
     pub fn path(&self) -> &Path {

@@ -34,6 +34,10 @@ pub enum StoreError {
     /// is a bug, refused rather than written where no check could find its holder.
     #[error("lock {key:?} is granted to session {session}, which has no row")]
     GrantWithoutSession { key: String, session: String },
+    /// A grant is stored under its holder's row; one under a row without a session has no
+    /// holder.
+    #[error("lock {key:?} is stored under session row {row}, which holds no session")]
+    GrantWithoutHolder { key: String, row: u64 },
     /// With no end pending, a key stored under two rows would be held twice.
     #[error("lock {key:?} is stored under two sessions with no end pending")]
     KeyHeldTwice { key: String },

@@ -11,8 +11,8 @@ use redb::{ReadableTable, ReadableTableMetadata, WriteTransaction};
 use super::codec;
 use super::error::StoreError;
 use super::tables::{
-    LOCK_ROWS, META, META_SESSION_ROW, SESSION_IDS, SESSION_ROWS, SessionRowRef, corrupt, counter,
-    row_of, v1, v6,
+    LOCK_ROWS, META, META_SESSION_ROW, SESSION_IDS, SESSION_ROWS, SessionRowRef, StoredGrant,
+    corrupt, counter, row_of, v1, v6,
 };
 use crate::domain::{LockRecord, SessionId, SessionRecord};
 
@@ -105,8 +105,9 @@ pub fn v6_to_v7(txn: &WriteTransaction) -> Result<u64, StoreError> {
                     session: record.session_id.to_string(),
                 });
             };
+            let grant = codec::encode(&StoredGrant::of(&record));
             grants
-                .insert((row, key.value()), bytes.value())
+                .insert((row, key.value()), grant.as_slice())
                 .map_err(StoreError::redb)?;
             moved += 1;
         }

@@ -8,8 +8,8 @@ use super::db::Store;
 use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, LOCK_ROWS, POOLS, SEATS, SESSION_IDS, SESSION_JOBS,
-    SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, corrupt, decoded, record_at, row_of,
-    session_record,
+    SESSION_ROWS, SESSION_SEATS, SESSIONS_BY_OWNER, StoredGrant, corrupt, decoded, record_at,
+    row_of, session_record,
 };
 use crate::domain::{
     Event, JobId, JobRecord, LockRecord, PoolRecord, SeatRecord, SessionId, SessionRecord, Token,
@@ -93,8 +93,8 @@ impl Store {
             .map_err(StoreError::redb)?
         {
             let (entry, bytes) = entry.map_err(StoreError::redb)?;
-            let record = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
-            out.push((entry.value().1.to_string(), record));
+            let grant: StoredGrant = codec::decode(bytes.value()).map_err(corrupt("lock"))?;
+            out.push((entry.value().1.to_string(), grant.held_by(id)));
         }
         Ok(out)
     }

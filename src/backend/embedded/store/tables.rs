@@ -9,7 +9,8 @@
 //! - `session_rows`: row number → [`SessionRow`] (the public id and its `SessionRecord`), with
 //!   `session_ids` (session id → row) to find a row by id, and `sessions_by_owner` (owner,
 //!   session id) as the owner index;
-//! - `lock_rows`: (holder's row, key) → `LockRecord`: every grant, stored under its holder.
+//! - `lock_rows`: (holder's row, key) → [`StoredGrant`] (token, when acquired): every grant,
+//!   stored under its holder, whose id is the row's.
 //!   No table is keyed by the lock key alone: lock reads answer from the committed locks in
 //!   memory ([`super::held`]), loaded from this table at open, so a key-ordered copy on disk
 //!   served no reader and cost a page on a random spot of its B-tree for every grant and
@@ -49,7 +50,7 @@ use serde::{Deserialize, Serialize};
 
 use super::codec::{self, CodecError};
 use super::error::StoreError;
-use crate::domain::{LockKey, SessionId, SessionRecord};
+use crate::domain::{LockKey, LockRecord, SessionId, SessionRecord, Token, UnixMs};
 
 pub(super) const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 pub(super) const SESSION_ROWS: TableDefinition<u64, &[u8]> = TableDefinition::new("session_rows");
@@ -162,6 +163,34 @@ pub(super) struct SessionRowHead<'a> {
     pub id: SessionId,
     #[serde(borrow)]
     pub owner: &'a str,
+}
+
+/// A grant as `lock_rows` stores it: its holder is the session of the row it is stored under,
+/// so the id is not repeated (16 bytes a lock).
+///
+/// Postcard is positional: fields are only ever appended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct StoredGrant {
+    pub token: Token,
+    pub acquired_at: UnixMs,
+}
+
+impl StoredGrant {
+    pub fn of(lock: &LockRecord) -> StoredGrant {
+        StoredGrant {
+            token: lock.token,
+            acquired_at: lock.acquired_at,
+        }
+    }
+
+    /// The lock, held by `holder`, the session of the row it was stored under.
+    pub fn held_by(self, holder: SessionId) -> LockRecord {
+        LockRecord {
+            session_id: holder,
+            token: self.token,
+            acquired_at: self.acquired_at,
+        }
+    }
 }
 
 /// Something done to every table of the data file.

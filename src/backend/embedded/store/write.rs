@@ -14,7 +14,7 @@ use super::error::StoreError;
 use super::tables::{
     EVENTS, JOB_PAYLOADS, JOBS, JOBS_BY_STATE, META, META_EVENT_SEQ, META_REVISION,
     META_SESSION_ROW, POOLS, REQUEST_IDS, SEATS, SESSION_JOBS, SESSION_SEATS, SessionRow,
-    SessionRowRef, corrupt, counter, row_of,
+    SessionRowRef, StoredGrant, corrupt, counter, row_of,
 };
 use crate::domain::{Change, JobRecord, JobStatus, UnixMs};
 
@@ -174,8 +174,9 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                         session: record.session_id.to_string(),
                     });
                 };
+                let grant = StoredGrant::of(record);
                 t.grants
-                    .insert((row, key.as_str()), codec::encode(record).as_slice())
+                    .insert((row, key.as_str()), codec::encode(&grant).as_slice())
                     .map_err(StoreError::redb)?;
             }
             // An ending session's grants are deleted before its row, in one batch.
