@@ -65,7 +65,7 @@ pub(super) struct SessionTables<'t> {
     pub rows: Table<'t, u64, &'static [u8]>,
     pub ids: Table<'t, u128, u64>,
     pub by_owner: Table<'t, (&'static str, u128), ()>,
-    /// (holder's row, key) → `LockRecord`.
+    /// (holder's row, key) → `StoredGrant`.
     pub grants: Table<'t, (u64, &'static str), &'static [u8]>,
 }
 
