@@ -10,19 +10,9 @@ use crate::backend::embedded::store::embedded::DATA_FILE;
 use crate::backend::postgres;
 
 pub fn run(data_dir: &Path) -> ExitCode {
-    if !data_dir.join(DATA_FILE).exists() {
-        eprintln!(
-            "leasehold check: no data file at {}",
-            data_dir.join(DATA_FILE).display()
-        );
-        return ExitCode::from(2);
-    }
-    let store = match Store::open(data_dir, 16 * 1024 * 1024) {
+    let store = match open_stopped("check", data_dir) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("leasehold check: cannot open {}: {e}", data_dir.display());
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     match store.check() {
         Ok(report) => {
@@ -41,18 +31,11 @@ pub fn run(data_dir: &Path) -> ExitCode {
 /// result.
 pub fn compact(data_dir: &Path) -> ExitCode {
     let path = data_dir.join(DATA_FILE);
-    if !path.exists() {
-        eprintln!("leasehold compact: no data file at {}", path.display());
-        return ExitCode::from(2);
-    }
     let size = || std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     let started = std::time::Instant::now();
-    let mut store = match Store::open(data_dir, 16 * 1024 * 1024) {
+    let mut store = match open_stopped("compact", data_dir) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("leasehold compact: cannot open {}: {e}", data_dir.display());
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let before = size();
     if let Err(e) = store.compact() {
@@ -74,6 +57,24 @@ pub fn compact(data_dir: &Path) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Opens the embedded store of a stopped server's `data_dir` for the offline `command`; exit
+/// status 2, said on stderr, when there is no data file or it cannot be opened (a running
+/// server holds it).
+fn open_stopped(command: &str, data_dir: &Path) -> Result<Store, ExitCode> {
+    let path = data_dir.join(DATA_FILE);
+    if !path.exists() {
+        eprintln!("leasehold {command}: no data file at {}", path.display());
+        return Err(ExitCode::from(2));
+    }
+    Store::open(data_dir, 16 * 1024 * 1024).map_err(|e| {
+        eprintln!(
+            "leasehold {command}: cannot open {}: {e}",
+            data_dir.display()
+        );
+        ExitCode::from(2)
+    })
 }
 
 /// The report; `file` is the embedded data file's size.
