@@ -33,7 +33,10 @@ pub enum StoreError {
     /// The domain grants only to a present session; a grant without a row to store it under
     /// is a bug, refused rather than written where no check could find its holder.
     #[error("lock {key:?} is granted to session {session}, which has no row")]
-    GrantWithoutSession { key: String, session: String },
+    GrantWithoutSession {
+        key: String,
+        session: crate::domain::SessionId,
+    },
     /// A grant is stored under its holder's row; one under a row without a session has no
     /// holder.
     #[error("lock {key:?} is stored under session row {row}, which holds no session")]

@@ -102,7 +102,7 @@ pub fn v6_to_v7(txn: &WriteTransaction) -> Result<u64, StoreError> {
             let Some(row) = row_of(&ids, record.session_id)? else {
                 return Err(StoreError::GrantWithoutSession {
                     key: key.value().to_string(),
-                    session: record.session_id.to_string(),
+                    session: record.session_id,
                 });
             };
             let grant = codec::encode(&StoredGrant::of(&record));

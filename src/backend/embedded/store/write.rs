@@ -171,7 +171,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                 let Some(row) = row_of(&t.ids, record.session_id)? else {
                     return Err(StoreError::GrantWithoutSession {
                         key: key.to_string(),
-                        session: record.session_id.to_string(),
+                        session: record.session_id,
                     });
                 };
                 let grant = StoredGrant::of(record);
