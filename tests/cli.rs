@@ -97,6 +97,34 @@ fn serve_refuses_bad_settings_naming_them() {
     assert!(err.contains("reaper_intervall_ms"), "{err}");
 }
 
+/// A listing read through a pipe whose reader has gone (`leasehold ... | head`) ends the way
+/// Unix tools do, by SIGPIPE, not with a panic and its backtrace hint.
+#[test]
+fn a_closed_pipe_ends_a_listing_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    // A pipe with no reader: the first write to it fails, whatever the output's size.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["generate", "completions", "--out"])
+        .arg(dir.path())
+        .stdout(writer)
+        .output()
+        .expect("the binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {err}",
+        out.status
+    );
+    // The work before the output was done: the files are there.
+    assert!(std::fs::read_dir(dir.path()).unwrap().count() > 0);
+}
+
 #[test]
 fn check_of_a_missing_data_file_says_so() {
     let dir = tempfile::tempdir().unwrap();

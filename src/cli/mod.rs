@@ -503,6 +503,9 @@ pub struct ServeArgs {
 }
 
 pub fn run(cli: Cli) -> ExitCode {
+    if cli.command.ends_quietly_on_a_closed_pipe() {
+        stop_at_a_closed_pipe();
+    }
     match cli.command {
         Command::Serve(args) => serve::run(*args),
         Command::Check {
@@ -544,6 +547,31 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Backup(args) => backup::backup(args),
         Command::Restore(args) => backup::restore(args),
         Command::Generate { what } => generate::run(what),
+    }
+}
+
+impl Command {
+    /// Whether the command is one whose output is read through a pipe (`check | less`,
+    /// `events | head`), and so should end as Unix tools do when its reader goes away: a
+    /// report or a listing, printed after whatever it changed is done.
+    ///
+    /// Not `serve`: its output is its log, and a reader gone (a stopped journal) must never
+    /// stop the server. Not `run`: it holds a lock for its child and must release it,
+    /// whatever becomes of its own output.
+    fn ends_quietly_on_a_closed_pipe(&self) -> bool {
+        !matches!(self, Command::Serve(_) | Command::Run(_))
+    }
+}
+
+/// Lets the process end on SIGPIPE, its default, as `head`, `grep -q` or a closed `less`
+/// expect: the Rust runtime ignores the signal, so a write to a closed pipe fails instead and
+/// `println!` panics with a backtrace hint. Sockets are unaffected: the standard library
+/// sends on them with `MSG_NOSIGNAL`, so a peer gone is still an error to handle.
+fn stop_at_a_closed_pipe() {
+    // SAFETY: called at the start of `main`'s work, before any thread is spawned, and
+    // SIG_DFL is a valid disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 
