@@ -450,7 +450,7 @@ impl Model {
         Ended {
             id,
             reason,
-            released,
+            released: released.into(),
             seats,
             jobs,
             revision,

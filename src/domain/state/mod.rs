@@ -176,7 +176,8 @@ pub enum HeartbeatError {
 pub struct Ended {
     pub id: SessionId,
     pub reason: EndReason,
-    pub released: Vec<(LockKey, Token)>,
+    /// Inline for the usual one lock: a storm ends a million of these.
+    pub released: SmallVec<[(LockKey, Token); 1]>,
     pub seats: Vec<(PoolName, Token)>,
     pub jobs: Vec<(JobId, JobOutcome)>,
     pub revision: u64,
@@ -533,7 +534,7 @@ impl State {
         fx: &mut Effects,
     ) -> Ended {
         let revision = self.next_revision();
-        let mut released = Vec::with_capacity(session.locks.len());
+        let mut released = SmallVec::with_capacity(session.locks.len());
         let mut listed = Vec::with_capacity(session.locks.len());
         for key in session.locks {
             let lock = self

@@ -235,7 +235,7 @@ fn release_needs_live_holder_and_exact_token() {
         Err(NotHolder)
     );
     assert_eq!(fx.ended.len(), 1);
-    assert_eq!(fx.ended[0].released, vec![(key("k"), got.token)]);
+    assert_eq!(fx.ended[0].released[..], [(key("k"), got.token)]);
     state.check_invariants().unwrap();
 }
 
@@ -255,7 +255,7 @@ fn expired_holder_is_ended_inline_for_a_contender() {
     assert_eq!(fx.ended.len(), 1);
     assert_eq!(fx.ended[0].id, a);
     assert_eq!(fx.ended[0].reason, EndReason::Expired);
-    assert_eq!(fx.ended[0].released, vec![(key("k"), old.token)]);
+    assert_eq!(fx.ended[0].released[..], [(key("k"), old.token)]);
     // The contender takes the key in the same change set; it is not offered to waiters.
     assert!(fx.freed_locks.is_empty());
     assert!(matches!(fx.changes[0], Change::DeleteLock { .. }));
