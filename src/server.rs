@@ -269,8 +269,9 @@ struct ConnState {
 ///
 /// A request waiting for a lock moves no bytes, so `idle_timeout` must exceed `max_wait_ms`;
 /// config validation enforces that.
-struct Tracked<S> {
-    inner: S,
+struct Tracked<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> {
+    /// Taken only when the connection is dropped, to linger ([`linger`]).
+    inner: Option<S>,
     origin: Instant,
     state: Arc<ConnState>,
     /// The last bytes read, to find the blank line that ends the headers across reads.
@@ -279,15 +280,23 @@ struct Tracked<S> {
     pending: Vec<u8>,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> Tracked<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Tracked<S> {
     fn new(inner: S, origin: Instant, state: Arc<ConnState>) -> Tracked<S> {
         Tracked {
-            inner,
+            inner: Some(inner),
             origin,
             state,
             tail: 0,
             pending: Vec::new(),
         }
+    }
+
+    fn io(&mut self) -> Pin<&mut S> {
+        Pin::new(
+            self.inner
+                .as_mut()
+                .expect("the stream is taken only when the connection is dropped"),
+        )
     }
 
     fn now_ms(&self) -> u64 {
@@ -318,7 +327,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Tracked<S> {
     /// Writes out a replacement answer; ready once all of it is gone.
     fn poll_pending(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         while !self.pending.is_empty() {
-            let n = std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &self.pending))?;
+            let n = {
+                let (io, pending) = (
+                    Pin::new(
+                        self.inner
+                            .as_mut()
+                            .expect("the stream is taken only when the connection is dropped"),
+                    ),
+                    &self.pending,
+                );
+                std::task::ready!(io.poll_write(cx, pending))?
+            };
             if n == 0 {
                 return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
             }
@@ -401,14 +420,14 @@ fn replace_http_error(data: &[u8]) -> Option<Vec<u8>> {
     )
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Tracked<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> AsyncRead for Tracked<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let r = self.io().poll_read(cx, buf);
         if buf.filled().len() != before {
             self.touch();
             self.on_read(&buf.filled()[before..]);
@@ -417,7 +436,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Tracked<S> {
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> AsyncWrite for Tracked<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -439,7 +458,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
                 self.state.phase.store(IDLE, Ordering::Relaxed);
             }
         }
-        let r = Pin::new(&mut self.inner).poll_write(cx, data);
+        let r = self.io().poll_write(cx, data);
         if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
             self.touch();
         }
@@ -448,13 +467,50 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         std::task::ready!(self.poll_pending(cx))?;
-        Pin::new(&mut self.inner).poll_flush(cx)
+        self.io().poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         std::task::ready!(self.poll_pending(cx))?;
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        self.io().poll_shutdown(cx)
     }
+}
+
+/// How long a closed connection goes on reading, and how much, before it is closed for good.
+const LINGER_FOR: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 8 * 1024 * 1024;
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Drop for Tracked<S> {
+    fn drop(&mut self) {
+        if let Some(io) = self.inner.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(linger(io));
+        }
+    }
+}
+
+/// Closes a connection without losing the answer it sent last. Closing a socket that still
+/// has unread bytes makes the kernel reset the connection, and the reset can destroy the
+/// answer before the client reads it: a client still sending a body the server refused
+/// (`413`, declared over `max_body_bytes`) saw a broken pipe instead of the 413. So the
+/// write side is shut and whatever still arrives is read and dropped until the client
+/// closes, for at most [`LINGER_FOR`] and [`LINGER_BYTES`], as HTTP servers' lingering
+/// close does. Off the connection's task: the connection's slot is already given back.
+async fn linger<S: AsyncRead + AsyncWrite + Unpin>(mut io: S) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tokio::time::timeout(LINGER_FOR, async {
+        let _ = io.shutdown().await;
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut read = 0;
+        while read < LINGER_BYTES {
+            match io.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => read += n,
+            }
+        }
+    })
+    .await;
 }
 
 #[cfg(test)]
