@@ -292,11 +292,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Tracked<S> {
     }
 
     fn io(&mut self) -> Pin<&mut S> {
-        Pin::new(
-            self.inner
-                .as_mut()
-                .expect("the stream is taken only when the connection is dropped"),
-        )
+        stream(&mut self.inner)
     }
 
     fn now_ms(&self) -> u64 {
@@ -327,17 +323,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Tracked<S> {
     /// Writes out a replacement answer; ready once all of it is gone.
     fn poll_pending(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         while !self.pending.is_empty() {
-            let n = {
-                let (io, pending) = (
-                    Pin::new(
-                        self.inner
-                            .as_mut()
-                            .expect("the stream is taken only when the connection is dropped"),
-                    ),
-                    &self.pending,
-                );
-                std::task::ready!(io.poll_write(cx, pending))?
-            };
+            let n = std::task::ready!(stream(&mut self.inner).poll_write(cx, &self.pending))?;
             if n == 0 {
                 return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
             }
@@ -476,6 +462,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> AsyncWrite for Tracked<
     }
 }
 
+/// The stream of a [`Tracked`] connection, there until the connection is dropped; a free
+/// function so that a caller can borrow the connection's other fields beside it.
+fn stream<S: Unpin>(inner: &mut Option<S>) -> Pin<&mut S> {
+    Pin::new(
+        inner
+            .as_mut()
+            .expect("the stream is taken only when the connection is dropped"),
+    )
+}
+
 /// How long a closed connection goes on reading, and how much, before it is closed for good.
 const LINGER_FOR: Duration = Duration::from_secs(2);
 const LINGER_BYTES: usize = 8 * 1024 * 1024;
@@ -501,7 +497,8 @@ async fn linger<S: AsyncRead + AsyncWrite + Unpin>(mut io: S) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _ = tokio::time::timeout(LINGER_FOR, async {
         let _ = io.shutdown().await;
-        let mut buf = vec![0u8; 16 * 1024];
+        // In the task's own allocation: most closes read nothing but the end of the stream.
+        let mut buf = [0u8; 4096];
         let mut read = 0;
         while read < LINGER_BYTES {
             match io.read(&mut buf).await {
