@@ -324,6 +324,42 @@ fn reap_takes_due_sessions_in_deadline_order_and_bounded() {
 }
 
 #[test]
+fn reap_across_several_warmed_batches_ends_each_due_session_once() {
+    // More due sessions than one batch the reaper warms at a time, holding none, one or
+    // three locks, reaped with limits that end inside a batch.
+    let mut state = State::new(Limits::default());
+    let n = 3 * REAP_AHEAD as u64 + 5;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = open(&mut state, 1_000 + i, 0);
+        for k in 0..[0, 1, 3][(i % 3) as usize] {
+            acquire(&mut state, id, &format!("k/{i}/{k}"), 0).unwrap();
+        }
+        ids.push(id);
+    }
+    let live = open(&mut state, 60_000, 0);
+    acquire(&mut state, live, "live", 0).unwrap();
+    let held: usize = ids.iter().map(|id| state.view(*id).locks.len()).sum();
+    let mut fx = Effects::default();
+    let mut ended = state.reap(at(10_000), REAP_AHEAD + 7, &mut fx);
+    assert_eq!(ended.len(), REAP_AHEAD + 7);
+    ended.extend(state.reap(at(10_000), 1_000, &mut fx));
+    assert_eq!(ended.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
+    let released: usize = ended.iter().map(|e| e.released.len()).sum();
+    assert_eq!(released, held);
+    assert_eq!(fx.freed_locks.len(), held);
+    let events = fx
+        .changes
+        .iter()
+        .filter(|c| matches!(c, Change::Event(e) if e.kind == EventKind::SessionExpired))
+        .count();
+    assert_eq!(events, ids.len());
+    assert!(state.lock(&key("live")).is_some());
+    assert!(state.reap(at(10_000), 1_000, &mut fx).is_empty());
+    state.check_invariants().unwrap();
+}
+
+#[test]
 fn too_many_locks_is_refused() {
     let limits = Limits {
         max_locks_per_session: 2,
