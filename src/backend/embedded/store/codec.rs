@@ -97,9 +97,16 @@ impl From<EventV1> for Event {
 
 pub fn encode_event(event: &Event) -> Vec<u8> {
     let mut buf = Vec::with_capacity(EVENT_ROOM);
-    buf.push(FORMAT_V2);
-    postcard::to_io(event, &mut buf).expect("postcard encodes into a Vec");
+    encode_event_into(event, &mut buf);
     buf
+}
+
+/// Encodes `event` into `buf`, replacing what it held: a commit that appends hundreds of
+/// events encodes them all through one buffer instead of allocating one each.
+pub fn encode_event_into(event: &Event, buf: &mut Vec<u8>) {
+    buf.clear();
+    buf.push(FORMAT_V2);
+    postcard::to_io(event, &mut *buf).expect("postcard encodes into a Vec");
 }
 
 /// Reads an event of either format.

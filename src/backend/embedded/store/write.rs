@@ -123,6 +123,8 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     let mut requests = txn.open_table(REQUEST_IDS).map_err(StoreError::redb)?;
     // Links the batch's events, storing the last one's hash when they are all in.
     let mut chain = chain::Appender::default();
+    // Each event is encoded here, stored and hashed before the next one.
+    let mut event_bytes = Vec::new();
 
     for change in batch.changes {
         match change {
@@ -258,16 +260,17 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
                         counter: batch.event_seq,
                     });
                 }
-                let bytes = codec::encode_event(event);
+                codec::encode_event_into(event, &mut event_bytes);
+                let bytes = event_bytes.as_slice();
                 let replaced = events
-                    .insert(event.seq, bytes.as_slice())
+                    .insert(event.seq, bytes)
                     .map_err(StoreError::redb)?
                     .is_some();
                 if replaced {
                     return Err(StoreError::EventExists { seq: event.seq });
                 }
                 // Hashed as it is appended, over the very bytes stored.
-                chain.push(&mut hashes, event.seq, &bytes)?;
+                chain.push(&mut hashes, event.seq, bytes)?;
             }
             Change::PutRequest { key, record } => {
                 requests
