@@ -11,8 +11,9 @@
 # (100000) size the runs; WORKLOADS (default "lock-churn session-churn heartbeat mass-expiry")
 # picks them. LOG_LEVEL (default warn; the shipped default is info) is the servers' log level.
 # PIN=1 puts the server on core 0 and the driver on core 1. Each line carries the
-# server's CPU per operation (`server_cpu_us_per_op`; for mass-expiry, per dying session from
-# the first deadline to all free) and the driver's. Not part of CI: a full run takes several
+# server's CPU per operation (`server_cpu_us_per_op`, split into `server_user_us_per_op` and
+# `server_system_us_per_op`; for mass-expiry, per dying session from the first deadline to all
+# free) and the driver's. Not part of CI: a full run takes several
 # minutes.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"

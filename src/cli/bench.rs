@@ -49,7 +49,8 @@ pub struct BenchArgs {
     #[arg(long)]
     quiet: bool,
     /// The server's process id, when it runs on this machine: its CPU time per operation
-    /// over the measured window is reported (`server_cpu_us_per_op`).
+    /// over the measured window is reported (`server_cpu_us_per_op`, and split into user and
+    /// system time: `server_user_us_per_op`, `server_system_us_per_op`).
     #[arg(long)]
     server_pid: Option<u32>,
 }
