@@ -735,6 +735,9 @@ impl State {
                 break;
             }
             self.warm(&due[..n]);
+            // Ending a session releases its own grants and settles its own jobs, and never
+            // ends or touches another session, so every id taken off the index above is
+            // still present when its turn comes.
             for &id in &due[..n] {
                 let session = self
                     .sessions
