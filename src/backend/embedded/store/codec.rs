@@ -30,7 +30,7 @@ pub enum CodecError {
 /// than growing the buffer from one byte through every power of two.
 const RECORD_ROOM: usize = 64;
 /// The same for an audit event, which carries more text (a key, an owner, a reason).
-const EVENT_ROOM: usize = 192;
+pub const EVENT_ROOM: usize = 192;
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     let mut buf = Vec::with_capacity(RECORD_ROOM);
@@ -95,12 +95,6 @@ impl From<EventV1> for Event {
     }
 }
 
-pub fn encode_event(event: &Event) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(EVENT_ROOM);
-    encode_event_into(event, &mut buf);
-    buf
-}
-
 /// Encodes `event` into `buf`, replacing what it held: a commit that appends hundreds of
 /// events encodes them all through one buffer instead of allocating one each.
 pub fn encode_event_into(event: &Event, buf: &mut Vec<u8>) {
@@ -123,6 +117,12 @@ pub fn decode_event(bytes: &[u8]) -> Result<Event, CodecError> {
 mod tests {
     use super::*;
     use crate::domain::LockRecord;
+
+    fn encode_event(event: &Event) -> Vec<u8> {
+        let mut buf = Vec::new();
+        encode_event_into(event, &mut buf);
+        buf
+    }
 
     #[test]
     fn round_trip_and_format_byte() {

@@ -124,7 +124,7 @@ fn apply(txn: &WriteTransaction, batch: &Batch<'_>) -> Result<Committed, StoreEr
     // Links the batch's events, storing the last one's hash when they are all in.
     let mut chain = chain::Appender::default();
     // Each event is encoded here, stored and hashed before the next one.
-    let mut event_bytes = Vec::new();
+    let mut event_bytes = Vec::with_capacity(codec::EVENT_ROOM);
 
     for change in batch.changes {
         match change {
