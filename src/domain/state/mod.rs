@@ -756,15 +756,15 @@ impl State {
     /// granted long before, scattered over memory: these misses were most of what ending
     /// one cost.
     fn warm(&self, ids: &[SessionId]) {
-        for id in ids {
-            if let Some(key) = self.sessions.get(id).and_then(|s| s.locks.first()) {
+        let mut keys: [Option<&LockKey>; REAP_AHEAD] = [None; REAP_AHEAD];
+        for (id, slot) in ids.iter().zip(&mut keys) {
+            *slot = self.sessions.get(id).and_then(|s| s.locks.first());
+            if let Some(key) = slot {
                 std::hint::black_box(key.as_str().as_bytes().first().copied());
             }
         }
-        for id in ids {
-            if let Some(key) = self.sessions.get(id).and_then(|s| s.locks.first()) {
-                std::hint::black_box(self.locks.get(key));
-            }
+        for key in keys.iter().flatten() {
+            std::hint::black_box(self.locks.get(*key));
         }
     }
 
