@@ -756,15 +756,18 @@ impl State {
     /// granted long before, scattered over memory: these misses were most of what ending
     /// one cost.
     fn warm(&self, ids: &[SessionId]) {
-        let mut keys: [Option<&LockKey>; REAP_AHEAD] = [None; REAP_AHEAD];
-        for (id, slot) in ids.iter().zip(&mut keys) {
-            *slot = self.sessions.get(id).and_then(|s| s.locks.first());
-            if let Some(key) = slot {
+        for id in ids {
+            if let Some(key) = self.sessions.get(id).and_then(|s| s.locks.first()) {
                 std::hint::black_box(key.as_str().as_bytes().first().copied());
             }
         }
-        for key in keys.iter().flatten() {
-            std::hint::black_box(self.locks.get(*key));
+        // Each session is found again here (in cache by now) rather than its key kept from
+        // the loop above: keeping the keys in an array measured slower (criterion
+        // `domain/reap/1000000`: 1.48 s against 1.10 s).
+        for id in ids {
+            if let Some(key) = self.sessions.get(id).and_then(|s| s.locks.first()) {
+                std::hint::black_box(self.locks.get(key));
+            }
         }
     }
 
